@@ -1,0 +1,87 @@
+"""``encode_to_hifloat8`` / ``decode_from_hifloat8``: argument checks and backend dispatch."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from qfa import backends
+from qfa.cast import format as fmt
+from qfa.cast import luts, torch_path
+
+ENCODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DECODE_DTYPES = ENCODE_DTYPES
+
+
+def hifloat8_dtypes() -> tuple[torch.dtype, ...]:
+    """Dtypes that hold HiF8 codes: uint8, plus ``torch_npu.hifloat8`` once torch_npu is loaded."""
+    npu = sys.modules.get("torch_npu")  # never import torch_npu ourselves
+    hif8 = getattr(npu, "hifloat8", None) if npu is not None else None
+    return (torch.uint8,) if not isinstance(hif8, torch.dtype) else (torch.uint8, hif8)
+
+
+def as_codes(y: torch.Tensor, name: str) -> torch.Tensor:
+    """``y`` as a uint8 tensor of HiF8 codes, or a TypeError naming ``name``."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of HiF8 codes, got {type(y).__name__}")
+    if y.dtype not in hifloat8_dtypes():
+        raise TypeError(f"{name} must hold HiF8 codes as torch.uint8 (or torch_npu.hifloat8), got {y.dtype}")
+    return y if y.dtype == torch.uint8 else y.view(torch.uint8)
+
+
+def _check_overflow(overflow: str) -> None:
+    if overflow not in fmt.OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {fmt.OVERFLOW_MODES}, got {overflow!r}")
+
+
+def encode_to_hifloat8(x: torch.Tensor, *, overflow: str = "saturate", backend: str | None = None) -> torch.Tensor:
+    """Round fp32/fp16/bf16 ``x`` to HiF8 codes (uint8, same shape and device), bit-exact.
+
+    Rounding is to nearest with ties away from zero in the input's own binade. With
+    ``overflow="saturate"`` (default) finite values with ``|x| >= 40960`` become +-MAX (0x6E /
+    0xEE) and +-Inf stays +-Inf; ``overflow="inf"`` maps them all to +-Inf (CANN host code). NaN
+    becomes 0x80 and -0.0 becomes 0x00. float64 is rejected: rounding it to fp32 first could
+    double-round, so cast it yourself and say which rounding you want.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ENCODE_DTYPES:
+        hint = " (round it to float32 yourself: a silent fp64->fp32 cast could double-round)" if x.dtype == torch.float64 else ""
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}{hint}")
+    _check_overflow(overflow)
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    chosen = backends.resolve(x.device, backend)
+    flat = x.reshape(-1)
+    if chosen == "triton":
+        from qfa.kernels import cast as cast_kernels
+
+        codes = cast_kernels.encode(flat.contiguous(), overflow)
+    else:
+        table = luts.full_lut(luts.table_dtype(x.dtype), overflow, x.device)
+        bits = flat.view(luts.BITS_VIEW[x.dtype])
+        codes = torch_path.run("encode", torch_path.encode_bits, bits, table)
+    return codes.view(x.shape)
+
+
+def decode_from_hifloat8(y: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None) -> torch.Tensor:
+    """Exact values of HiF8 codes ``y`` as ``dtype`` (fp16, bf16 or fp32), same shape and device.
+
+    Every HiF8 value is representable in all three dtypes; 0x80 decodes to NaN, 0x6F/0xEF to
+    +-Inf.
+    """
+    codes = as_codes(y, "y")
+    if dtype not in DECODE_DTYPES:
+        raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+    if codes.numel() == 0:
+        return torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    chosen = backends.resolve(codes.device, backend)
+    flat = codes.reshape(-1)
+    if chosen == "triton":
+        from qfa.kernels import cast as cast_kernels
+
+        return cast_kernels.decode(flat.contiguous(), dtype).view(codes.shape)
+    table = luts.decode_lut(dtype, codes.device)
+    bits = torch_path.run("decode", torch_path.decode_codes, flat, table)
+    return bits.view(dtype).view(codes.shape)
