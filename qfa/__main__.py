@@ -1,0 +1,3 @@
+from qfa.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""``python -m qfa`` / ``qfa``: the demo, the benchmarks and the perplexity evaluation.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) ->
+int``; this file only wires them up, importing a module when its command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: command -> (module, one-line help)
+COMMANDS = {
+    "demo": ("qfa.demo", "HiF8 vs FP8 E4M3 on a built-in LLM-like workload: codec and attention error, speed, chart"),
+    "eval-ppl": ("qfa.eval_ppl", "perplexity / top-1 agreement / KL of attention implementations on a local model"),
+}
+BENCHES = {
+    "cast": ("qfa.bench.cast", "HiF8 encode/decode throughput vs torch's native fp8 cast and a copy"),
+    "attention": ("qfa.bench.attention", "quant_flash_attn torch path vs SDPA: time, GFLOP/s, memory, accuracy"),
+    "calibration": ("qfa.bench.calibration", "calibration rules measured on a real model's attention activations"),
+}
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_text: str) -> None:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(_module=module)
+    # Argument definitions are cheap; the heavy imports happen inside run().
+    importlib.import_module(module).add_arguments(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qfa", description="HiFloat8 quantized attention for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        _add(sub, name, module, help_text)
+    bench = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        _add(bench_sub, name, module, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
