@@ -1,0 +1,152 @@
+"""The torch path of quant_flash_attn: the golden reference, vectorised, O(block) memory.
+
+All batches, heads and query rows go through each step at once; the only loop is over 256-key
+blocks in ascending order, exactly as the op's numerics prescribe (``quant-flash-attn.md``):
+
+    S = Q @ K_j^T (exact HiF8 products, fp32 accumulation); S[masked] = -inf
+    m_new = max(m, rowmax(S) * dScale - ln p_scale);  P = exp(S * dScale - m_new)
+    l = alpha * l + rowsum(P);  O = alpha * O + (HiF8(P) @ V_j) * v_descale
+
+Memory is a (B * Nq, rows, 256) score block at a time, never Sq x Skv. With causal masking a
+block only visits the query rows that can see one of its keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qfa.cast import api as cast_api
+from qfa.cast import luts
+from qfa.tiling.attention import AttentionPlan
+
+_BF16_ROUND_BIT = 0x8000
+
+
+def hif8_round_table(device: torch.device) -> torch.Tensor:
+    """fp32[65536]: the saturating HiF8 rounding of any fp32 whose upper 16 bits are ``i``.
+
+    HiF8 rounding reads only the upper 16 bits of an fp32 (see ``qfa.cast.luts``), so one gather
+    rounds P; built from the encode and decode LUTs, the format's single source of truth.
+    """
+    codes = luts.full_lut(torch.bfloat16, "saturate", device)
+    return luts.decode_lut(torch.float32, device)[codes.to(torch.int64)].view(torch.float32)
+
+
+def round_to_hif8(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """HiF8 values nearest to fp32 ``x`` (ties away from zero, saturating), as fp32."""
+    index = (x.view(torch.int32) >> 16) & 0xFFFF
+    return torch.index_select(table, 0, index.view(-1)).view(x.shape)
+
+
+def to_bf16_round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounding half away from zero (torch's own cast rounds half to even)."""
+    bits = x.view(torch.int32)
+    rounded = ((bits + _BF16_ROUND_BIT) >> 16).to(torch.int16).view(torch.bfloat16)
+    return torch.where(torch.isnan(x), torch.full_like(rounded, float("nan")), rounded)
+
+
+def _to_bnsd(codes: torch.Tensor, plan: AttentionPlan, starts, lens, seq: int) -> torch.Tensor:
+    """fp32 (B, N, S, D) view of HiF8 codes in the plan's layout; TND is padded per batch."""
+    values = cast_api.decode_from_hifloat8(codes, torch.float32, backend="torch")
+    if plan.layout == "BNSD":
+        return values
+    if plan.layout == "BSND":
+        return values.transpose(1, 2).contiguous()
+    padded = values.new_zeros(plan.batch, values.shape[1], seq, values.shape[2])
+    for b, (start, n) in enumerate(zip(starts, lens)):
+        padded[b, :, :n] = values[start : start + n].transpose(0, 1)
+    return padded
+
+
+def _from_bnsd(out: torch.Tensor, plan: AttentionPlan, total_q: int) -> torch.Tensor:
+    if plan.layout == "BNSD":
+        return out
+    if plan.layout == "BSND":
+        return out.transpose(1, 2).contiguous()
+    packed = out.new_zeros(total_q, plan.heads_q, plan.head_dim)
+    for b, (start, n) in enumerate(zip(plan.q_starts, plan.q_lens)):
+        packed[start : start + n] = out[b, :, :n].transpose(0, 1)
+    return packed
+
+
+def _lse_layout(lse: torch.Tensor, plan: AttentionPlan, total_q: int) -> torch.Tensor:
+    if plan.layout != "TND":
+        return lse
+    packed = lse.new_full((plan.heads_q, total_q), float("inf"))
+    for b, (start, n) in enumerate(zip(plan.q_starts, plan.q_lens)):
+        packed[:, start : start + n] = lse[b, :, :n]
+    return packed
+
+
+def _block_mask(plan: AttentionPlan, rows: torch.Tensor, keys: torch.Tensor, q_lens, kv_lens, offsets):
+    """True where query ``rows`` (B, 1, R, 1) may not see ``keys`` (1, 1, 1, K), or None."""
+    masked = None
+    if not plan.uniform:
+        masked = (keys >= kv_lens) | (rows >= q_lens)
+    if plan.causal:
+        future = keys > rows + offsets
+        masked = future if masked is None else masked | future
+    return masked
+
+
+def forward(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor)."""
+    device = q.device
+    B, Nq, Nkv, G, D = plan.batch, plan.heads_q, plan.heads_kv, plan.group, plan.head_dim
+    Sq, Skv = plan.seq_q, plan.seq_kv
+    qf = _to_bnsd(q, plan, plan.q_starts, plan.q_lens, Sq).reshape(B * Nq, Sq, D)
+    kf = _to_bnsd(k, plan, plan.kv_starts, plan.kv_lens, Skv)
+    vf = _to_bnsd(v, plan, plan.kv_starts, plan.kv_lens, Skv)
+
+    dscale = (q_descale * k_descale) * plan.softmax_scale
+    ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=device)
+    table = hif8_round_table(device)
+
+    m = torch.full((B * Nq, Sq), float("-inf"), device=device)
+    l = torch.zeros(B * Nq, Sq, device=device)
+    o = torch.zeros(B * Nq, Sq, D, device=device)
+    q_lens = torch.tensor(plan.q_lens, device=device).view(B, 1, 1, 1)
+    kv_lens = torch.tensor(plan.kv_lens, device=device).view(B, 1, 1, 1)
+    offsets = torch.tensor(plan.causal_offsets, device=device).view(B, 1, 1, 1)
+    # A causal block's first key j0 is first visible to row j0 - max offset.
+    max_offset = max(plan.causal_offsets, default=0)
+    kv_end = max(plan.kv_lens, default=0)
+
+    for j0 in range(0, kv_end, plan.block_n):
+        j1 = min(j0 + plan.block_n, kv_end)
+        r0 = max(0, j0 - max_offset) if plan.causal else 0
+        if r0 >= Sq:
+            break
+        # (B, Nkv, K, D) -> (B * Nq, K, D): the kv head of q head h is h // G.
+        k_blk = kf[:, :, j0:j1].repeat_interleave(G, dim=1).reshape(B * Nq, j1 - j0, D)
+        v_blk = vf[:, :, j0:j1].repeat_interleave(G, dim=1).reshape(B * Nq, j1 - j0, D)
+        s = torch.bmm(qf[:, r0:], k_blk.transpose(1, 2))
+        rows = torch.arange(r0, Sq, device=device).view(1, 1, -1, 1)
+        keys = torch.arange(j0, j1, device=device).view(1, 1, 1, -1)
+        masked = _block_mask(plan, rows, keys, q_lens, kv_lens, offsets)
+        if masked is not None and bool(masked.any()):
+            s.view(B, Nq, Sq - r0, j1 - j0).masked_fill_(masked, float("-inf"))
+
+        m_old = m[:, r0:]
+        m_new = torch.maximum(m_old, s.amax(dim=-1) * dscale - ln_p)
+        # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
+        m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        p = s.mul_(dscale).sub_(m_safe.unsqueeze(-1)).exp_()
+        alpha = torch.exp(m_old - m_safe)
+        l[:, r0:] = alpha * l[:, r0:] + p.sum(dim=-1)
+        pv = torch.bmm(round_to_hif8(p, table), v_blk)
+        o[:, r0:] = o[:, r0:] * alpha.unsqueeze(-1) + pv * v_descale
+        m[:, r0:] = m_new
+
+    seen = l > 0
+    out = torch.where(seen.unsqueeze(-1), o / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), torch.zeros_like(o))
+    out = to_bf16_round_half_away(out).view(B, Nq, Sq, D)
+    total_q = q.shape[0] if plan.layout == "TND" else 0
+    out = _from_bnsd(out, plan, total_q)
+    if not plan.return_lse:
+        return out, torch.empty(0, device=device)
+    lse = torch.where(seen, m + torch.log(l), torch.full_like(l, float("inf"))).view(B, Nq, Sq)
+    return out, _lse_layout(lse, plan, total_q)
