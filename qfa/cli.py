@@ -22,25 +22,27 @@ BENCHES = {
 }
 
 
-def _add(sub: argparse._SubParsersAction, name: str, module: str, help_text: str) -> None:
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_text: str, chosen: bool) -> None:
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.set_defaults(_module=module)
-    # Argument definitions are cheap; the heavy imports happen inside run().
-    importlib.import_module(module).add_arguments(parser)
+    if chosen:  # only the command that runs is imported; heavy imports wait for its run()
+        importlib.import_module(module).add_arguments(parser)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    words = [w for w in argv if not w.startswith("-")]
     parser = argparse.ArgumentParser(prog="qfa", description="HiFloat8 quantized attention for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        _add(sub, name, module, help_text)
+        _add(sub, name, module, help_text, chosen=words[:1] == [name])
     bench = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in BENCHES.items():
-        _add(bench_sub, name, module, help_text)
+        _add(bench_sub, name, module, help_text, chosen=words[:2] == ["bench", name])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)

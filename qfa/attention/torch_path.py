@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from qfa import _compile
 from qfa.cast import api as cast_api
 from qfa.cast import luts
 from qfa.tiling.attention import AttentionPlan
@@ -78,15 +79,43 @@ def _lse_layout(lse: torch.Tensor, plan: AttentionPlan, total_q: int) -> torch.T
     return packed
 
 
-def _block_mask(plan: AttentionPlan, rows: torch.Tensor, keys: torch.Tensor, q_lens, kv_lens, offsets):
-    """True where query ``rows`` (B, 1, R, 1) may not see ``keys`` (1, 1, 1, K), or None."""
-    masked = None
+def _mask_block(plan: AttentionPlan, s: torch.Tensor, r0: int, j0: int, q_lens, kv_lens, offsets, max_offset: int) -> None:
+    """Set the scores of (query, key) pairs that the plan masks to -inf, in place.
+
+    ``s`` is (B, Nq, rows from r0, keys from j0). With uniform lengths only the rows crossing
+    the causal diagonal can hold a masked key, so only they are touched.
+    """
+    rows_end = s.shape[2] + r0
+    keys_end = s.shape[3] + j0
+    if plan.uniform:
+        if not plan.causal:
+            return
+        rows_end = min(rows_end, max(r0, keys_end - 1 - max_offset))
+        if rows_end <= r0:
+            return
+    device = s.device
+    rows = torch.arange(r0, rows_end, device=device).view(1, 1, -1, 1)
+    keys = torch.arange(j0, keys_end, device=device).view(1, 1, 1, -1)
+    masked = keys > rows + offsets if plan.causal else None
     if not plan.uniform:
-        masked = (keys >= kv_lens) | (rows >= q_lens)
-    if plan.causal:
-        future = keys > rows + offsets
-        masked = future if masked is None else masked | future
-    return masked
+        outside = (keys >= kv_lens) | (rows >= q_lens)
+        masked = outside if masked is None else masked | outside
+    s[:, :, : rows_end - r0].masked_fill_(masked, float("-inf"))
+
+
+def _softmax_block(s, m_old, l_old, dscale, ln_p, table):
+    """One 256-key block of the online softmax: (HiF8(P), m_new, l_new, alpha)."""
+    m_new = torch.maximum(m_old, s.amax(dim=-1) * dscale - ln_p)
+    # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
+    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    p = torch.exp(s * dscale - m_safe.unsqueeze(-1))
+    alpha = torch.exp(m_old - m_safe)
+    l_new = alpha * l_old + p.sum(dim=-1)
+    return round_to_hif8(p, table), m_new, l_new, alpha
+
+
+def _rescale_accumulate(o_old, alpha, pv, v_descale):
+    return o_old * alpha.unsqueeze(-1) + pv * v_descale
 
 
 def forward(
@@ -124,22 +153,11 @@ def forward(
         k_blk = kf[:, :, j0:j1].repeat_interleave(G, dim=1).reshape(B * Nq, j1 - j0, D)
         v_blk = vf[:, :, j0:j1].repeat_interleave(G, dim=1).reshape(B * Nq, j1 - j0, D)
         s = torch.bmm(qf[:, r0:], k_blk.transpose(1, 2))
-        rows = torch.arange(r0, Sq, device=device).view(1, 1, -1, 1)
-        keys = torch.arange(j0, j1, device=device).view(1, 1, 1, -1)
-        masked = _block_mask(plan, rows, keys, q_lens, kv_lens, offsets)
-        if masked is not None and bool(masked.any()):
-            s.view(B, Nq, Sq - r0, j1 - j0).masked_fill_(masked, float("-inf"))
+        _mask_block(plan, s.view(B, Nq, Sq - r0, j1 - j0), r0, j0, q_lens, kv_lens, offsets, max_offset)
 
-        m_old = m[:, r0:]
-        m_new = torch.maximum(m_old, s.amax(dim=-1) * dscale - ln_p)
-        # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
-        m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-        p = s.mul_(dscale).sub_(m_safe.unsqueeze(-1)).exp_()
-        alpha = torch.exp(m_old - m_safe)
-        l[:, r0:] = alpha * l[:, r0:] + p.sum(dim=-1)
-        pv = torch.bmm(round_to_hif8(p, table), v_blk)
-        o[:, r0:] = o[:, r0:] * alpha.unsqueeze(-1) + pv * v_descale
-        m[:, r0:] = m_new
+        p8, m[:, r0:], l[:, r0:], alpha = _compile.call(_softmax_block, s, m[:, r0:], l[:, r0:], dscale, ln_p, table, device=device)
+        pv = torch.bmm(p8, v_blk).mul_(v_descale)
+        o[:, r0:].mul_(alpha.unsqueeze(-1)).add_(pv)
 
     seen = l > 0
     out = torch.where(seen.unsqueeze(-1), o / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), torch.zeros_like(o))

@@ -61,7 +61,7 @@ def encode_to_hifloat8(x: torch.Tensor, *, overflow: str = "saturate", backend: 
     else:
         table = luts.full_lut(luts.table_dtype(x.dtype), overflow, x.device)
         bits = flat.view(luts.BITS_VIEW[x.dtype])
-        codes = torch_path.run("encode", torch_path.encode_bits, bits, table)
+        codes = torch_path.run(torch_path.encode_bits, bits, table)
     return codes.view(x.shape)
 
 
@@ -83,5 +83,5 @@ def decode_from_hifloat8(y: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *
 
         return cast_kernels.decode(flat.contiguous(), dtype).view(codes.shape)
     table = luts.decode_lut(dtype, codes.device)
-    bits = torch_path.run("decode", torch_path.decode_codes, flat, table)
+    bits = torch_path.run(torch_path.decode_codes, flat, table)
     return bits.view(dtype).view(codes.shape)

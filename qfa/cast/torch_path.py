@@ -3,18 +3,16 @@
 On CPU the gather is compiled once per process with TorchInductor (a fused C++ loop), which is
 what makes it faster than torch's native fp8 cast; eager torch runs the same ops for small
 tensors, where compiling does not pay, and wherever compiling is unavailable or disabled
-(``QFA_CAST_COMPILE=0``). Both run the same function, so they agree bit for bit.
+(``QFA_COMPILE=0``). Both run the same function, so they agree bit for bit.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
 from typing import Callable
 
 import torch
 
+from qfa import _compile
 from qfa.cast import format as fmt
 
 #: Below this many elements eager torch is faster than calling a compiled graph.
@@ -37,29 +35,8 @@ def decode_codes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table, 0, codes.to(torch.int32))
 
 
-_compiled: dict[str, Callable] = {}
-_compile_lock = threading.Lock()
-_compile_failed = False
-
-
-def _compile_enabled() -> bool:
-    return os.environ.get("QFA_CAST_COMPILE", "1") != "0" and not _compile_failed
-
-
-def _maybe_compiled(name: str, fn: Callable) -> Callable:
-    with _compile_lock:
-        if name not in _compiled:
-            _compiled[name] = torch.compile(fn, dynamic=True, fullgraph=True)
-        return _compiled[name]
-
-
-def run(name: str, fn: Callable, flat: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Run ``fn(flat, table)`` compiled when that pays off, else eagerly."""
-    global _compile_failed
-    if flat.device.type == "cpu" and flat.numel() >= COMPILE_MIN_ELEMENTS and _compile_enabled():
-        try:
-            return _maybe_compiled(name, fn)(flat, table)
-        except Exception as exc:  # no C++ compiler, unsupported platform, ...
-            _compile_failed = True
-            warnings.warn(f"qfa: compiling the HiF8 cast failed ({exc!r}); using eager torch", stacklevel=3)
+def run(fn: Callable, flat: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``fn(flat, table)``, compiled for large CPU tensors (see :mod:`qfa._compile`)."""
+    if flat.numel() >= COMPILE_MIN_ELEMENTS:
+        return _compile.call(fn, flat, table, device=flat.device)
     return fn(flat, table)

@@ -1,0 +1,41 @@
+"""TorchInductor for the torch paths' elementwise hot loops, with an eager fallback.
+
+The torch paths are written as plain torch functions; on CPU, compiling them fuses a chain of
+memory-bound passes into one C++ loop. The compiled and eager versions run the same function,
+so they agree bit for bit except for exp's last ulp (inductor's vectorised exp). Compiling
+is skipped where it is unavailable (no C++ compiler) or disabled with ``QFA_COMPILE=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Callable
+
+import torch
+
+ENV_VAR = "QFA_COMPILE"
+_lock = threading.Lock()
+_compiled: dict[Callable, Callable] = {}
+_failed = False
+
+
+def enabled(device: torch.device) -> bool:
+    return device.type == "cpu" and os.environ.get(ENV_VAR, "1") != "0" and not _failed
+
+
+def call(fn: Callable, *args, device: torch.device):
+    """``fn(*args)``, through its compiled twin when :func:`enabled`."""
+    global _failed
+    if enabled(device):
+        with _lock:
+            compiled = _compiled.get(fn)
+            if compiled is None:
+                compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        try:
+            return compiled(*args)
+        except Exception as exc:  # no C++ compiler, unsupported platform, ...
+            _failed = True
+            warnings.warn(f"qfa: torch.compile failed ({exc!r}); using eager torch from now on", stacklevel=2)
+    return fn(*args)
