@@ -1,0 +1,143 @@
+"""``qfa bench attention``: the torch path of quant_flash_attn beside SDPA, and its accuracy.
+
+Speed: causal prefill, B=1, D=128, against ``scaled_dot_product_attention`` on the dequantised
+fp32 and bf16 tensors, measured in the same run (median of runs). Memory: peak RSS growth of
+one call at S=16384 in a fresh process. Accuracy: error against exact fp32 attention on the
+original (unquantised) inputs, for HiF8 and for a per-tensor FP8 E4M3 emulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from qfa.bench.timing import markdown_table, median_seconds
+
+HEADS = ((12, 2), (32, 8))
+SEQS = (512, 1024, 2048, 4096)
+MEMORY_SEQ = 16384
+MEMORY_LIMIT_GIB = 4.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=list(SEQS))
+    parser.add_argument("--memory-seq", type=int, default=MEMORY_SEQ, help="S of the peak-memory run (0 skips it)")
+    parser.add_argument("--accuracy-seq", type=int, default=1024)
+    parser.add_argument("--backend", default="torch")
+
+
+def causal_flops(heads: int, seq: int, dim: int = 128) -> float:
+    """Useful FLOPs of causal attention: two matmuls over half the score matrix."""
+    return 4.0 * heads * seq * seq * dim / 2
+
+
+def quantised_inputs(heads_q: int, heads_kv: int, seq: int, seed: int = 0):
+    """HiF8 codes with amax/32768 descales (upstream's rule), and their dequantised values."""
+    from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
+
+    gen = torch.Generator().manual_seed(seed)
+    codes, descales, values = [], [], []
+    for n in (heads_q, heads_kv, heads_kv):
+        x = torch.randn(1, n, seq, 128, generator=gen)
+        scale = (x.abs().amax() / 32768).reshape(1)
+        c = encode_to_hifloat8(x / scale)
+        codes.append(c)
+        descales.append(scale)
+        values.append(decode_from_hifloat8(c, torch.float32) * scale)
+    return codes, descales, values
+
+
+def speed_rows(seqs, backend: str) -> list[list[str]]:
+    from qfa.attention import quant_flash_attn
+
+    rows = []
+    for hq, hkv in HEADS:
+        for seq in seqs:
+            codes, descales, (qd, kd, vd) = quantised_inputs(hq, hkv, seq)
+            t_ours = median_seconds(lambda: quant_flash_attn(*codes, *descales, 7, mask_mode=3, backend=backend),
+                                    min_runs=3, min_total=0)
+            t32 = median_seconds(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True),
+                                 min_runs=3, min_total=0)
+            qb, kb, vb = qd.bfloat16(), kd.bfloat16(), vd.bfloat16()
+            t16 = median_seconds(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True),
+                                 min_runs=3, min_total=0)
+            flops = causal_flops(hq, seq)
+            rows.append([f"({hq}, {hkv})", seq, f"{t_ours * 1e3:.1f}", f"{flops / t_ours / 1e9:.1f}",
+                         f"{t32 * 1e3:.1f}", f"{t_ours / t32:.2f}x", f"{t16 * 1e3:.1f}", f"{t_ours / t16:.2f}x"])
+            print(".", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return rows
+
+
+_MEMORY_SCRIPT = """
+import json, resource, sys, torch
+from qfa.bench.attention import quantised_inputs
+from qfa.attention import quant_flash_attn
+seq = int(sys.argv[1])
+codes, descales, _ = quantised_inputs(32, 8, seq)
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+before = rss_kib()
+quant_flash_attn(*codes, *descales, 7, mask_mode=3, backend=sys.argv[2])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"inputs_mib": sum(c.numel() for c in codes) / 2**20, "peak_growth_gib": (peak - before) / 2**20}))
+"""
+
+
+def peak_memory(seq: int, backend: str) -> dict:
+    """Peak RSS growth during one call, in a fresh process so earlier runs do not hide it."""
+    done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(seq), backend], capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(cosine similarity, relative L2 error, max abs error) of ``out`` against ``ref``."""
+    out, ref = out.double().flatten(), ref.double().flatten()
+    cos = torch.nn.functional.cosine_similarity(out, ref, dim=0).item()
+    return cos, ((out - ref).norm() / ref.norm()).item(), (out - ref).abs().max().item()
+
+
+def accuracy_rows(seq: int) -> list[list[str]]:
+    from qfa.attention.dropin import hif8_attention
+    from qfa.attention.fp8_emulation import fp8_e4m3_attention
+    from qfa.workloads import llm_like_qkv, uniform_qkv
+
+    rows = []
+    for name, (q, k, v) in (("N(0,1)", tuple(torch.randn(1, n, seq, 128, generator=torch.Generator().manual_seed(1))
+                                             for n in (12, 2, 2))),
+                            ("uniform(-1,1)", uniform_qkv(1, 12, 2, seq)),
+                            ("LLM-like", llm_like_qkv(1, 12, 2, seq))):
+        exact = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        variants = {
+            "HiF8 amax/32768": lambda: hif8_attention(q, k, v, is_causal=True, calibration="amax", smooth_k=False),
+            "HiF8 default + smooth K": lambda: hif8_attention(q, k, v, is_causal=True),
+            "FP8 E4M3 amax/448": lambda: fp8_e4m3_attention(q, k, v, is_causal=True),
+            "FP8 E4M3 + smooth K": lambda: fp8_e4m3_attention(q, k, v, is_causal=True, smooth_k=True),
+        }
+        for label, fn in variants.items():
+            cos, rel, mx = error_metrics(fn(), exact)
+            rows.append([name, label, f"{cos:.6f}", f"{rel:.4f}", f"{mx:.4f}"])
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"quant_flash_attn (mode 7, causal, B=1, D=128) vs SDPA; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, backend={args.backend}")
+    print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
+                          "SDPA bf16 ms", "qfa / bf16"], speed_rows(args.seqs, args.backend)))
+    if args.memory_seq:
+        mem = peak_memory(args.memory_seq, args.backend)
+        verdict = "OK" if mem["peak_growth_gib"] < MEMORY_LIMIT_GIB else "OVER"
+        print(f"\npeak memory, (32, 8), S={args.memory_seq}: {mem['peak_growth_gib']:.2f} GiB above the "
+              f"{mem['inputs_mib']:.0f} MiB of HiF8 inputs (limit {MEMORY_LIMIT_GIB} GiB: {verdict})")
+    print(f"\naccuracy against exact fp32 attention on the unquantised inputs (causal, (12, 2), S={args.accuracy_seq})")
+    print(markdown_table(["data", "attention", "cosine", "rel L2", "max abs"], accuracy_rows(args.accuracy_seq)))
+    return 0
