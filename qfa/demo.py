@@ -75,10 +75,13 @@ def attention_rows(q, k, v) -> tuple[list[list[str]], dict[str, float]]:
     return rows, rel
 
 
-def relative_spacing(values: list[float]) -> tuple[list[float], list[float]]:
-    """(value, gap to the next value / value) over a format's positive finite grid."""
-    grid = sorted(set(values))
-    return grid[:-1], [(b - a) / a for a, b in zip(grid, grid[1:])]
+def bits_per_binade(values: list[float]) -> dict[int, float]:
+    """Mantissa bits of a format in each binade [2^e, 2^(e+1)): log2 of its value count there."""
+    counts: dict[int, int] = {}
+    for x in values:
+        e = math.floor(math.log2(x))
+        counts[e] = counts.get(e, 0) + 1
+    return {e: math.log2(n) for e, n in sorted(counts.items())}
 
 
 def _fp8_positive_values(dtype: torch.dtype) -> list[float]:
@@ -101,14 +104,15 @@ def write_chart(path: Path, rel_errors: dict[str, float]) -> Path:
         "FP8 E5M2": _fp8_positive_values(torch.float8_e5m2),
     }
     for name, values in formats.items():
-        x, gap = relative_spacing(values)
-        ax1.step(x, gap, where="post", label=f"{name} ({math.log2(max(values) / min(values)):.0f} binades)")
-    ax1.set_xscale("log", base=2)
-    ax1.set_yscale("log", base=2)
-    ax1.set_xlabel("value")
-    ax1.set_ylabel("relative gap to the next value")
+        bits = bits_per_binade(values)
+        exps = list(bits) + [max(bits) + 1]
+        ax1.step(exps, list(bits.values()) + [list(bits.values())[-1]], where="post",
+                 label=f"{name}: {len(bits)} binades, 2^{min(bits)} .. {max(values):g}")
+    ax1.set_xlabel("binade e (values in [2^e, 2^(e+1)))")
+    ax1.set_ylabel("mantissa bits (relative precision 2^-bits)")
     ax1.set_title("Precision across binades")
-    ax1.legend()
+    ax1.set_yticks([0, 1, 2, 3])
+    ax1.legend(loc="lower center", fontsize=8)
     labels = list(rel_errors)
     ax2.barh(labels, [rel_errors[k] for k in labels], color=["C0", "C0", "C1", "C1"])
     ax2.set_xlabel("relative L2 error vs exact fp32 attention")
