@@ -54,13 +54,14 @@ class AttentionPlan:
     q_lens: tuple[int, ...]  # actual lengths (seqused applied)
     kv_lens: tuple[int, ...]
     strides_q: tuple[int, int, int, int]  # (batch, head, position, dim)
-    strides_kv: tuple[int, int, int, int]
+    strides_kv: tuple[int, int, int, int]  # of k
+    strides_v: tuple[int, int, int, int]  # of v: same shape as k, but it may be a different view
     causal: bool
     softmax_scale: float
     return_lse: bool
     block_m: int
     block_n: int
-    grid: tuple[int, int]  # (query tiles, batch * q heads), or a persistent grid
+    grid: tuple[int, int]  # (batch * q heads, query tiles), or a persistent grid
     persistent: bool
     tiling_key: str
 
@@ -239,19 +240,26 @@ def plan_attention(
     return AttentionPlan(
         layout=layout, batch=batch, heads_q=nq, heads_kv=nkv, head_dim=HEAD_DIM, seq_q=seq_q, seq_kv=seq_kv,
         q_starts=q_starts, kv_starts=kv_starts, q_lens=tuple(q_lens), kv_lens=tuple(kv_lens),
-        strides_q=_normalised_strides(q, layout), strides_kv=_normalised_strides(k, layout), causal=causal,
+        strides_q=_normalised_strides(q, layout), strides_kv=_normalised_strides(k, layout),
+        strides_v=_normalised_strides(v, layout), causal=causal,
         softmax_scale=float(softmax_scale), return_lse=bool(return_softmax_lse), block_m=BLOCK_M, block_n=BLOCK_N,
         grid=grid, persistent=persistent, tiling_key=key,
     )
 
 
 def _grid(programs_bh: int, tiles_m: int, device: torch.device) -> tuple[tuple[int, int], bool]:
-    """(query tiles, batch * heads), or on NPU a persistent grid of one program per core."""
+    """(batch * heads, query tiles), or on NPU a persistent grid of one program per core.
+
+    Batch * heads goes on the first axis: CUDA allows 2^31 - 1 programs there but only 65535
+    on the others, and a sequence needs 65535 query tiles (8M rows) before it hits that.
+    """
     from qfa.tiling.platform import platform_for
 
     platform = platform_for(device)
     if platform.persistent:
         return (min(platform.cube_cores, tiles_m * programs_bh), 1), True
+    if tiles_m > 65535:
+        raise ValueError(f"query length must be <= {65535 * BLOCK_M} rows, got {tiles_m} tiles of {BLOCK_M}")
     if programs_bh > platform.max_grid:
         raise ValueError(f"batch * q heads must be <= {platform.max_grid} on {platform.name}, got {programs_bh}")
-    return (tiles_m, programs_bh), False
+    return (programs_bh, tiles_m), False

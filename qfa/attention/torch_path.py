@@ -129,6 +129,10 @@ def forward(
     qf = _to_bnsd(q, plan, plan.q_starts, plan.q_lens, Sq).reshape(B * Nq, Sq, D)
     kf = _to_bnsd(k, plan, plan.kv_starts, plan.kv_lens, Skv)
     vf = _to_bnsd(v, plan, plan.kv_starts, plan.kv_lens, Skv)
+    if not plan.uniform:
+        # Masked keys get P = 0, but 0 * NaN is NaN: padding past seqused_kv must not be read.
+        for b, n in enumerate(plan.kv_lens):
+            vf[b, :, n:] = 0
 
     dscale = (q_descale * k_descale) * plan.softmax_scale
     ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=device)
@@ -159,7 +163,7 @@ def forward(
         pv = torch.bmm(p8, v_blk).mul_(v_descale)
         o[:, r0:].mul_(alpha.unsqueeze(-1)).add_(pv)
 
-    seen = l > 0
+    seen = l != 0  # a NaN row (NaN codes in q) stays NaN instead of reading as 'saw no key'
     out = torch.where(seen.unsqueeze(-1), o / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), torch.zeros_like(o))
     out = to_bf16_round_half_away(out).view(B, Nq, Sq, D)
     total_q = q.shape[0] if plan.layout == "TND" else 0

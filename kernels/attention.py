@@ -1,0 +1,263 @@
+"""Triton kernel of quant_flash_attn (HiF8 per-tensor, quant_mode 7) and its host launcher.
+
+``forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)`` runs the
+:class:`~qfa.tiling.attention.AttentionPlan` that ``qfa.tiling.attention.plan_attention`` built;
+it validates nothing and re-derives no tiling. Numerics are those of ``quant-flash-attn.md``
+and of the golden torch path (``qfa.attention.torch_path``), per query row:
+
+    for each block of BLOCK_N = 256 keys, ascending from key 0 of the sequence:
+        S = Q @ K_j^T                 HiF8 codes decoded to fp16 (exact), fp32 accumulation
+        S[masked] = -inf              causal (bottom-right, per-batch lengths) and padding
+        m_new = max(m, rowmax(S) * dScale - ln p_scale)
+        P = exp(S * dScale - m_new);  alpha = exp(m - m_new);  l = alpha * l + rowsum(P)
+        O = alpha * O + (HiF8(P) @ V_j) * v_descale     HiF8(P): ties away, saturating
+    out = O / l -> bf16 rounded half away from zero;  lse = m + ln l;  no key seen: 0 / +inf
+
+Work items are (query tile of ``plan.block_m`` rows, batch * q head); every program walks the
+items ``pid, pid + programs, ...`` of ``plan.grid``, so the same kernel serves the one-item-
+per-program grid (CUDA) and the persistent grid of one program per core (NPU, interpreter).
+A program computes its tile in sub-tiles of ``SUB_M`` rows (the query tile size does not
+change the numbers; each sub-tile still visits whole 256-key blocks, which do). Blocks wholly
+after a causal sub-tile's last visible key are skipped: for those rows they are an identity.
+
+Decode: a 256-entry LUT of fp16 bit patterns (``qfa.kernels.hif8.hif8_decode``); every HiF8
+value is exact in fp16 and every product of two is exact in fp32. P is rounded to HiF8 with
+integer bit operations (``hif8_round_sat``) and is exact in fp16 too (|P8| <= 32768), so both
+dots take fp16 operands (no bf16 ``tl.dot``: it is wrong under the 3.8/3.9 interpreter, and
+triton-ascend's dots take only int8/fp16/bf16/fp32). The bf16 output is rounded with integer
+operations as well (fp32 bits + 0x8000, upper half; NaN kept) and stored as int16 bits.
+Masks and row limits are compared as fp32 values (exact below 2^24), since int32 vector
+compares degrade to scalar code on Atlas A2/A3. Plain pointer arithmetic is used (upstream
+Triton removed block pointers); per-platform launch choices are in :data:`LAUNCH`, not in the
+kernel body.
+
+NaN codes in q make their rows NaN (out and lse): a row counts as "saw no key" only when its
+running sum ``l`` is exactly 0, never when it is NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from qfa.cast import luts
+from qfa.kernels.hif8 import hif8_decode, hif8_round_sat
+from qfa.tiling.attention import AttentionPlan, _normalised_strides
+from qfa.tiling.platform import platform_for
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a platform launches the kernel; none of these change the numbers."""
+
+    #: Query rows per sub-tile (divides ``plan.block_m``; >= 16 for ``tl.dot``).
+    sub_m: int
+    #: Triton ``num_warps`` (None: Triton's default).
+    num_warps: int | None = None
+    #: Triton ``num_stages`` (None: Triton's default).
+    num_stages: int | None = None
+
+
+#: Per-platform launch choices, keyed by ``qfa.tiling.platform`` names. The interpreter runs
+#: numpy per op, so one 128-row sub-tile is fastest there. On CUDA a 64 x 256 fp32 score tile
+#: plus a 64 x 128 accumulator fits 8 warps' registers. On Ascend (not run on hardware here) a
+#: 64-row sub-tile keeps the fp32 score tile at 64 KiB of the 192 KiB UB; to be tuned on a device.
+LAUNCH: dict[str, LaunchOptions] = {
+    "cpu-interpreter": LaunchOptions(sub_m=128),
+    "cuda": LaunchOptions(sub_m=64, num_warps=8, num_stages=2),
+    "atlas-a2": LaunchOptions(sub_m=64),
+    "atlas-a3": LaunchOptions(sub_m=64),
+    "ascend-950": LaunchOptions(sub_m=64),
+}
+_DEFAULT_LAUNCH = LaunchOptions(sub_m=64)
+
+# Rows of the per-batch int32 table the kernel reads (one row per field, B columns).
+_Q_START, _KV_START, _Q_LEN, _KV_LEN, _ROWS = range(5)
+
+
+@triton.jit
+def _bf16_bits_round_half_away(x):
+    """int16 bf16 patterns of fp32 ``x``, rounded half away from zero; NaN -> 0x7FC0."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x8000) >> 16  # arithmetic shift: the sign half stays a valid bf16 sign
+    return tl.where(x == x, rounded, 0x7FC0).to(tl.int16)
+
+
+@triton.jit
+def _attention_rows(
+    q_base, k_base, v_base, out_base, lse_base, lut_ptr,
+    row0, q_len, kv_len, rows_b, dscale, ln_p, v_descale,
+    sqs, sqd, sks, skd, svs, svd, sos, sod, sls,
+    SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    """Attention for query rows ``row0 .. row0 + SUB_M`` of one (batch, q head); stores them."""
+    rows = row0 + tl.arange(0, SUB_M)
+    dims = tl.arange(0, HEAD_DIM)
+    rows_f = rows.to(tl.float32)
+    q_codes = tl.load(q_base + rows[:, None] * sqs + dims[None, :] * sqd, mask=(rows_f < q_len)[:, None], other=0)
+    q = hif8_decode(q_codes, lut_ptr, tl.float16)
+
+    # Last visible key of each row (as fp32: exact, and no int32 vector compares); -1: none.
+    offset = kv_len - q_len  # bottom-right causal alignment
+    last = tl.zeros([SUB_M], dtype=tl.float32) + (kv_len - 1).to(tl.float32)
+    if CAUSAL:
+        last = tl.minimum(last, rows_f + offset.to(tl.float32))
+    last = tl.where(rows_f < q_len, last, -1.0)
+    # Keys this sub-tile visits: up to the last visible key of its last valid row.
+    rows_hi = tl.minimum(row0 + SUB_M, q_len)
+    kv_hi = kv_len
+    if CAUSAL:
+        kv_hi = tl.minimum(kv_hi, rows_hi + offset)
+    kv_hi = tl.where(rows_hi > row0, kv_hi, 0)
+
+    m_i = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([SUB_M], dtype=tl.float32)
+    acc = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
+    for j0 in range(0, kv_hi, BLOCK_N):
+        cols = j0 + tl.arange(0, BLOCK_N)
+        cols_f = cols.to(tl.float32)
+        key_ok = cols_f < kv_len
+        kt_codes = tl.load(k_base + dims[:, None] * skd + cols[None, :] * sks, mask=key_ok[None, :], other=0)
+        s = tl.dot(q, hif8_decode(kt_codes, lut_ptr, tl.float16))  # (SUB_M, BLOCK_N) fp32, exact products
+        s = tl.where(cols_f[None, :] <= last[:, None], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1) * dscale - ln_p)
+        # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s * dscale - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = alpha * l_i + tl.sum(p, 1)  # the unquantised P
+        p8 = hif8_round_sat(p).to(tl.float16)  # exact: HiF8 values <= 32768 fit fp16
+
+        v_codes = tl.load(v_base + cols[:, None] * svs + dims[None, :] * svd, mask=key_ok[:, None], other=0)
+        pv = tl.dot(p8, hif8_decode(v_codes, lut_ptr, tl.float16))
+        acc = acc * alpha[:, None] + pv * v_descale
+        m_i = m_new
+
+    seen = l_i != 0.0  # NaN rows count as seen, so NaN propagates to out and lse
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out = tl.where(seen[:, None], out, 0.0)
+    store_ok = rows_f < rows_b
+    tl.store(
+        out_base + rows[:, None] * sos + dims[None, :] * sod,
+        _bf16_bits_round_half_away(out),
+        mask=store_ok[:, None],
+    )
+    if RETURN_LSE:
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("inf"))
+        tl.store(lse_base + rows * sls, lse, mask=store_ok)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, lut_ptr, scalars_ptr, seq_ptr,
+    batch, heads_q, group, n_tiles,
+    sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod, slb, slh, sls,
+    BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    dscale = tl.load(scalars_ptr)
+    ln_p = tl.load(scalars_ptr + 1)
+    v_descale = tl.load(scalars_ptr + 2)
+    for item in range(pid, n_tiles * batch * heads_q, programs):
+        bh = item // n_tiles
+        m0 = (item % n_tiles) * BLOCK_M
+        b = bh // heads_q
+        h = bh % heads_q
+        rows_b = tl.load(seq_ptr + 4 * batch + b)  # rows of out/lse this batch owns
+        if m0 < rows_b:
+            q_start = tl.load(seq_ptr + b)
+            kv_start = tl.load(seq_ptr + batch + b)
+            q_len = tl.load(seq_ptr + 2 * batch + b)
+            kv_len = tl.load(seq_ptr + 3 * batch + b)
+            # 64-bit bases (large tensors); offsets inside a tile stay 32-bit.
+            b64 = b.to(tl.int64)
+            h64 = h.to(tl.int64)
+            hk64 = (h // group).to(tl.int64)  # GQA: kv head of q head h
+            qs64 = q_start.to(tl.int64)
+            ks64 = kv_start.to(tl.int64)
+            q_base = q_ptr + b64 * sqb + h64 * sqh + qs64 * sqs
+            out_base = out_ptr + b64 * sob + h64 * soh + qs64 * sos
+            lse_base = lse_ptr + b64 * slb + h64 * slh + qs64 * sls
+            k_base = k_ptr + b64 * skb + hk64 * skh + ks64 * sks
+            v_base = v_ptr + b64 * svb + hk64 * svh + ks64 * svs
+            for sub in tl.static_range(BLOCK_M // SUB_M):
+                _attention_rows(
+                    q_base, k_base, v_base, out_base, lse_base, lut_ptr,
+                    m0 + sub * SUB_M, q_len, kv_len, rows_b, dscale, ln_p, v_descale,
+                    sqs, sqd, sks, skd, svs, svd, sos, sod, sls,
+                    SUB_M, BLOCK_N, HEAD_DIM, CAUSAL, RETURN_LSE,
+                )
+
+
+def launch_options(device: torch.device) -> LaunchOptions:
+    """The :data:`LAUNCH` entry for ``device``'s platform (``$QFA_PLATFORM`` honoured)."""
+    return LAUNCH.get(platform_for(device).name, _DEFAULT_LAUNCH)
+
+
+def _rows_per_batch(plan: AttentionPlan, total_q: int) -> list[int]:
+    """Rows of out / lse each batch owns: the padded Sq, or for TND its cu_seqlens segment
+    (seqused_q may leave rows of the segment unused; they are written as 0 / +inf)."""
+    if plan.layout != "TND":
+        return [plan.seq_q] * plan.batch
+    ends = list(plan.q_starts[1:]) + [total_q]
+    return [end - start for start, end in zip(plan.q_starts, ends)]
+
+
+def forward(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``plan`` on HiF8 codes (uint8) q, k, v; returns (out bf16 in q's layout, lse fp32 or empty).
+
+    Outputs are allocated filled with NaN, so an element the kernel fails to write shows up
+    (a memset, small next to the attention itself).
+    """
+    device = q.device
+    total_q = q.shape[0] if plan.layout == "TND" else 0
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=device)
+    if plan.return_lse:
+        lse_shape = (plan.heads_q, total_q) if plan.layout == "TND" else (plan.batch, plan.heads_q, plan.seq_q)
+        lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device=device)
+    else:
+        lse = torch.empty(0, device=device)
+    if out.numel() == 0:
+        return out, lse
+
+    rows = _rows_per_batch(plan, total_q)
+    seq = torch.tensor(
+        [plan.q_starts, plan.kv_starts, plan.q_lens, plan.kv_lens, rows], dtype=torch.int32
+    ).to(device)
+    # dScale exactly as the torch path forms it (same device ops, same fp32 bits).
+    dscale = (q_descale * k_descale) * plan.softmax_scale
+    ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=device)
+    scalars = torch.cat([dscale, ln_p, v_descale]).to(torch.float32)
+    lut = luts.decode_lut(torch.float16, device)
+
+    if plan.return_lse:
+        lse_strides = (0, total_q, 1) if plan.layout == "TND" else (plan.heads_q * plan.seq_q, plan.seq_q, 1)
+    else:
+        lse_strides = (0, 0, 0)
+    n_tiles = math.ceil(max(rows, default=0) / plan.block_m)
+    opts = launch_options(device)
+    extra = {}
+    if opts.num_warps is not None:
+        extra["num_warps"] = opts.num_warps
+    if opts.num_stages is not None:
+        extra["num_stages"] = opts.num_stages
+    _attention_kernel[plan.grid](
+        q, k, v, out.view(torch.int16), lse if plan.return_lse else out, lut, scalars, seq,
+        plan.batch, plan.heads_q, plan.group, n_tiles,
+        *plan.strides_q, *plan.strides_kv, *plan.strides_v, *_normalised_strides(out, plan.layout), *lse_strides,
+        BLOCK_M=plan.block_m, SUB_M=min(opts.sub_m, plan.block_m), BLOCK_N=plan.block_n, HEAD_DIM=plan.head_dim,
+        CAUSAL=plan.causal, RETURN_LSE=plan.return_lse,
+        **extra,
+    )
+    return out, lse
