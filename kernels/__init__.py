@@ -1,0 +1,9 @@
+"""Triton device kernels (installed as ``qfa.kernels``).
+
+* ``qfa.kernels.hif8``: in-kernel HiF8 helpers (``@triton.jit``) shared by every kernel.
+* ``qfa.kernels.cast``: the HiF8 cast kernels and their host launchers.
+
+Importing this package imports nothing else, so ``import qfa`` works without Triton; the
+submodules import Triton. They run on CUDA with upstream Triton, on Ascend NPUs with
+triton-ascend (not run on hardware here), and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""

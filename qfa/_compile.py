@@ -16,26 +16,30 @@ from typing import Callable
 import torch
 
 ENV_VAR = "QFA_COMPILE"
+#: Graphs one function may compile (shapes of size 1, and sizes that happen to be equal, each
+#: specialise a dynamic graph); applied only around qfa's own calls, not to the user's code.
+RECOMPILE_LIMIT = 64
 _lock = threading.Lock()
 _compiled: dict[Callable, Callable] = {}
-_failed = False
+_failed: set[Callable] = set()
 
 
-def enabled(device: torch.device) -> bool:
-    return device.type == "cpu" and os.environ.get(ENV_VAR, "1") != "0" and not _failed
+def enabled(fn: Callable, device: torch.device) -> bool:
+    return device.type == "cpu" and os.environ.get(ENV_VAR, "1") != "0" and fn not in _failed
 
 
 def call(fn: Callable, *args, device: torch.device):
     """``fn(*args)``, through its compiled twin when :func:`enabled`."""
-    global _failed
-    if enabled(device):
+    if enabled(fn, device):
         with _lock:
             compiled = _compiled.get(fn)
             if compiled is None:
                 compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
         try:
-            return compiled(*args)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(*args)
         except Exception as exc:  # no C++ compiler, unsupported platform, ...
-            _failed = True
-            warnings.warn(f"qfa: torch.compile failed ({exc!r}); using eager torch from now on", stacklevel=2)
+            _failed.add(fn)
+            warnings.warn(f"qfa: torch.compile of {fn.__name__} failed ({exc!r}); it runs in eager torch from now on",
+                          stacklevel=2)
     return fn(*args)

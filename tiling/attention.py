@@ -216,11 +216,11 @@ def plan_attention(
         if mask_mode == 0:
             raise ValueError("attn_mask must be None with mask_mode 0 (no mask)")
         _require_tensor(attn_mask, "attn_mask")
-        if attn_mask.dtype != torch.int8 or tuple(attn_mask.shape) != CAUSAL_MASK_SHAPE:
-            raise ValueError(
-                f"attn_mask for mask_mode 3 must be int8 {list(CAUSAL_MASK_SHAPE)} (the compressed causal mask), "
-                f"got {attn_mask.dtype} {list(attn_mask.shape)}"
-            )
+        expected = f"int8 {list(CAUSAL_MASK_SHAPE)} (the compressed causal mask)"
+        if attn_mask.dtype != torch.int8:  # a dtype error is a TypeError, as everywhere else here
+            raise TypeError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
+        if tuple(attn_mask.shape) != CAUSAL_MASK_SHAPE:
+            raise ValueError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(HEAD_DIM)
     if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):

@@ -159,9 +159,14 @@ def forward(
         s = torch.bmm(qf[:, r0:], k_blk.transpose(1, 2))
         _mask_block(plan, s.view(B, Nq, Sq - r0, j1 - j0), r0, j0, q_lens, kv_lens, offsets, max_offset)
 
-        p8, m[:, r0:], l[:, r0:], alpha = _compile.call(_softmax_block, s, m[:, r0:], l[:, r0:], dscale, ln_p, table, device=device)
-        pv = torch.bmm(p8, v_blk).mul_(v_descale)
-        o[:, r0:].mul_(alpha.unsqueeze(-1)).add_(pv)
+        # Flat, contiguous operands keep the compiled graph's shape guards (and recompiles) few.
+        rows_k = s.view(-1, j1 - j0)
+        p8, m_new, l_new, alpha = _compile.call(_softmax_block, rows_k, m[:, r0:].reshape(-1),
+                                                l[:, r0:].reshape(-1), dscale, ln_p, table, device=device)
+        m[:, r0:] = m_new.view(B * Nq, -1)
+        l[:, r0:] = l_new.view(B * Nq, -1)
+        pv = torch.bmm(p8.view_as(s), v_blk).mul_(v_descale)
+        o[:, r0:].mul_(alpha.view(B * Nq, -1, 1)).add_(pv)
 
     seen = l != 0  # a NaN row (NaN codes in q) stays NaN instead of reading as 'saw no key'
     out = torch.where(seen.unsqueeze(-1), o / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), torch.zeros_like(o))
