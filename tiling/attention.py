@@ -154,6 +154,9 @@ def plan_attention(
         _check_scalar_fp32(t, name)
     if p_scale is not None:
         _check_scalar_fp32(p_scale, "p_scale")
+        p_value = float(p_scale.item()) if p_scale.device.type != "meta" else 1.0
+        if not (math.isfinite(p_value) and p_value > 0):
+            raise ValueError(f"p_scale must be a finite value > 0 (it enters as -ln(p_scale)), got {p_value}")
     if block_table is not None:
         raise ValueError("block_table (paged attention) is not supported in quant_mode 7; pass contiguous k/v")
     if sinks is not None:
