@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -32,6 +31,10 @@ def path(request, monkeypatch):
     return request.param
 
 
+def compiled_ran(fn) -> bool:
+    return fn in _compile._compiled and fn not in _compile._failed
+
+
 def decode_on(codes: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Tensor:
     """Decode on the requested path; small inputs are tiled up to the compile threshold."""
     n, minimum = codes.numel(), torch_path.COMPILE_MIN_ELEMENTS
@@ -39,7 +42,7 @@ def decode_on(codes: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Tenso
         return qfa.decode_from_hifloat8(codes, dtype)
     reps = -(-minimum // n)
     tiled = qfa.decode_from_hifloat8(codes.reshape(-1).repeat(reps), dtype).view(reps, n)
-    assert torch_path.decode_codes in _compile._compiled and torch_path.decode_codes not in _compile._failed, "the compiled path did not run"
+    assert compiled_ran(torch_path.decode_codes), "the compiled path did not run"
     assert same_values(tiled, tiled[:1].expand(reps, n)), "copies of the same code decoded differently"
     return tiled[0].view(codes.shape)
 
@@ -111,6 +114,31 @@ def random_codes(shape, seed: int = 0) -> torch.Tensor:
 def test_larger_than_one_tile(dtype):
     codes = random_codes((3 * 65536 + 17,), seed=1)
     assert same_values(qfa.decode_from_hifloat8(codes, dtype), reference_values(codes, dtype))
+
+
+def test_compiled_path_matches_eager_and_keeps_one_graph(monkeypatch):
+    """Other sizes and input layouts must reuse the compiled graph (see the encode twin)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv(_compile.ENV_VAR, "1")
+    codes = random_codes((3 * 65536 + 17,), seed=5)
+    n = 3 << 16
+    compiled = qfa.decode_from_hifloat8(codes, torch.float16)
+    assert compiled_ran(torch_path.decode_codes), "the compiled path did not run"
+    graphs = counters["stats"]["unique_graphs"]
+    variants = {
+        "shorter": (codes[:-5], compiled[:-5]),
+        "2-D view": (codes[:n].view(3, -1), compiled[:n].view(3, -1)),
+        "strided": (codes[::2], compiled[::2]),
+        "offset": (codes[1:], compiled[1:]),
+    }
+    for name, (variant, want) in variants.items():
+        assert same_values(qfa.decode_from_hifloat8(variant, torch.float16), want), name
+        assert counters["stats"]["unique_graphs"] == graphs, f"a {name} input compiled another graph"
+
+    monkeypatch.setenv(_compile.ENV_VAR, "0")
+    assert same_values(qfa.decode_from_hifloat8(codes, torch.float16), compiled)
+    assert same_values(compiled, reference_values(codes, torch.float16))
 
 
 NON_CONTIGUOUS = {

@@ -82,6 +82,10 @@ def assert_codes(got: torch.Tensor, want: np.ndarray, x: torch.Tensor, what: str
         pytest.fail(f"{what}: {bad.size} of {got.size} codes differ from the spec reference\n" + "\n".join(lines))
 
 
+def compiled_ran(fn) -> bool:
+    return fn in _compile._compiled and fn not in _compile._failed
+
+
 def encode_on(x: torch.Tensor, overflow: str, path: str) -> torch.Tensor:
     """Encode on the requested path; only tensors of COMPILE_MIN_ELEMENTS or more get compiled,
     so a small input is tiled up to that size (every copy must come out the same)."""
@@ -90,7 +94,7 @@ def encode_on(x: torch.Tensor, overflow: str, path: str) -> torch.Tensor:
         return qfa.encode_to_hifloat8(x, overflow=overflow)
     reps = -(-minimum // n)
     tiled = qfa.encode_to_hifloat8(x.reshape(-1).repeat(reps), overflow=overflow).view(reps, n)
-    assert torch_path.encode_bits in _compile._compiled and torch_path.encode_bits not in _compile._failed, "the compiled path did not run"
+    assert compiled_ran(torch_path.encode_bits), "the compiled path did not run"
     assert torch.equal(tiled, tiled[:1].expand(reps, n)), "copies of the same input encoded differently"
     return tiled[0].view(x.shape)
 
@@ -315,21 +319,30 @@ def test_fp32_subnormals_nans_and_infs(overflow, path):
 
 
 def test_compiled_path_matches_eager_and_reference(monkeypatch, half_reference):
-    """A tensor several tiles long, with a ragged tail, through the compiled graph; a second
-    size must reuse the graph (dynamic shapes) rather than compile a new one."""
+    """A tensor several tiles long, with a ragged tail, through the compiled graph. Other
+    sizes, layouts and autograd must reuse that graph: each new one costs seconds, and
+    enough of them hit dynamo's recompile limit."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv(_compile.ENV_VAR, "1")
     x = all_patterns(torch.bfloat16).repeat(3)
     x = torch.cat([x, x[12345 : 12345 + 17]])
-    assert x.numel() >= torch_path.COMPILE_MIN_ELEMENTS
+    n = 3 << 16
+    assert x[::2].numel() >= torch_path.COMPILE_MIN_ELEMENTS
 
     compiled = qfa.encode_to_hifloat8(x)
-    assert torch_path.encode_bits in _compile._compiled and torch_path.encode_bits not in _compile._failed, "the compiled path did not run"
+    assert compiled_ran(torch_path.encode_bits), "the compiled path did not run"
     graphs = counters["stats"]["unique_graphs"]
-    compiled_again = qfa.encode_to_hifloat8(x[:-5])
-    assert counters["stats"]["unique_graphs"] == graphs, "a new size recompiled the cast"
-    assert torch.equal(compiled_again, compiled[:-5])
+    variants = {
+        "shorter": (x[:-5], compiled[:-5]),
+        "2-D view": (x[:n].view(3, -1), compiled[:n].view(3, -1)),
+        "strided": (x[::2], compiled[::2]),
+        "offset": (x[1:], compiled[1:]),
+        "requires_grad": (x.clone().requires_grad_(), compiled),
+    }
+    for name, (variant, want) in variants.items():
+        assert torch.equal(qfa.encode_to_hifloat8(variant), want), name
+        assert counters["stats"]["unique_graphs"] == graphs, f"a {name} input compiled another graph"
 
     monkeypatch.setenv(_compile.ENV_VAR, "0")
     assert torch.equal(qfa.encode_to_hifloat8(x), compiled)

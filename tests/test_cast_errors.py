@@ -63,3 +63,11 @@ def test_encode_rejects_backend():
 def test_decode_rejects_backend():
     with pytest.raises(ValueError, match=r"\bbackend must be one of"):
         qfa.decode_from_hifloat8(CODES, backend="bogus")
+
+
+@pytest.mark.parametrize("empty", [torch.empty(0), torch.empty(3, 0, dtype=torch.bfloat16)], ids=["1d", "2d"])
+def test_backend_is_checked_for_empty_inputs_too(empty):
+    with pytest.raises(ValueError, match=r"\bbackend must be one of"):
+        qfa.encode_to_hifloat8(empty, backend="bogus")
+    with pytest.raises(ValueError, match=r"\bbackend must be one of"):
+        qfa.decode_from_hifloat8(torch.empty(0, dtype=torch.uint8), backend="bogus")

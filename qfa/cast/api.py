@@ -50,9 +50,9 @@ def encode_to_hifloat8(x: torch.Tensor, *, overflow: str = "saturate", backend: 
         hint = " (round it to float32 yourself: a silent fp64->fp32 cast could double-round)" if x.dtype == torch.float64 else ""
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}{hint}")
     _check_overflow(overflow)
+    chosen = backends.resolve(x.device, backend)
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    chosen = backends.resolve(x.device, backend)
     flat = x.reshape(-1)
     if chosen == "triton":
         from qfa.kernels import cast as cast_kernels
@@ -74,9 +74,9 @@ def decode_from_hifloat8(y: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *
     codes = as_codes(y, "y")
     if dtype not in DECODE_DTYPES:
         raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+    chosen = backends.resolve(codes.device, backend)
     if codes.numel() == 0:
         return torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    chosen = backends.resolve(codes.device, backend)
     flat = codes.reshape(-1)
     if chosen == "triton":
         from qfa.kernels import cast as cast_kernels

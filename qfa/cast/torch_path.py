@@ -38,5 +38,8 @@ def decode_codes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 def run(fn: Callable, flat: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``fn(flat, table)``, compiled for large CPU tensors (see :mod:`qfa._compile`)."""
     if flat.numel() >= COMPILE_MIN_ELEMENTS:
-        return _compile.call(fn, flat, table, device=flat.device)
+        # Dynamo guards on strides and on a view's base, so each input layout would compile a
+        # graph of its own until the recompile limit turns compiling off; a contiguous,
+        # detached tensor keeps it to one graph per dtype (free for contiguous inputs).
+        return _compile.call(fn, flat.contiguous().detach(), table, device=flat.device)
     return fn(flat, table)
