@@ -27,9 +27,9 @@ from torch import nn
 from qfa.attention import calibration as cal
 from qfa.attention import custom_ops  # noqa: F401  (registers torch.ops.qfa.*)
 
-LAYOUTS = ("BNSD", "BSND", "TND")
+from qfa.tiling.attention import HEAD_DIM, LAYOUTS  # the op's shape rules live in one place
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-HEAD_DIM = 128
 #: quant_mode of quant_flash_attn for HiF8 per-tensor Q/K/V/P.
 QUANT_MODE = 7
 #: mask_mode of quant_flash_attn for causal attention aligned bottom-right.
