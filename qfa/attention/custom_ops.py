@@ -104,19 +104,19 @@ def hif8_attention(
     v_scale: Optional[Tensor], p_scale: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_kv: Optional[Tensor], seqused_q: Optional[Tensor], seqused_kv: Optional[Tensor], is_causal: bool,
     scale: Optional[float], layout: str, calibration: str, smooth_k: bool, return_lse: bool,
-    backend: Optional[str],
+    backend: Optional[str], rotate: bool = False,
 ) -> tuple[Tensor, Tensor]:
     from qfa.attention.dropin import hif8_attention_eager
 
     out, lse = hif8_attention_eager(q, k, v, q_scale, k_scale, v_scale, p_scale, cu_seqlens_q, cu_seqlens_kv,
                                     seqused_q, seqused_kv, is_causal, scale, layout, calibration, smooth_k,
-                                    return_lse, backend)
+                                    return_lse, backend, rotate)
     return out.contiguous(), lse.contiguous()
 
 
 @hif8_attention.register_fake
 def _(q, k, v, q_scale, k_scale, v_scale, p_scale, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv,
-      is_causal, scale, layout, calibration, smooth_k, return_lse, backend):
+      is_causal, scale, layout, calibration, smooth_k, return_lse, backend, rotate=False):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32) if return_lse else _empty_lse(q)
     return out, lse

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from qfa.attention import calibration as cal
+from qfa.attention import rotation
 from qfa.attention import custom_ops  # noqa: F401  (registers torch.ops.qfa.*)
 
 from qfa.tiling.attention import HEAD_DIM, LAYOUTS  # the op's shape rules live in one place
@@ -239,7 +240,7 @@ def _valid_values(x: torch.Tensor, layout: str, seqused, cu_seqlens=None) -> tor
 
 # ----------------------------------------------------------------------------- the computation
 
-def prepare(q, k, v, *, layout="BNSD", cu_seqlens_kv=None, seqused_kv=None, smooth_k=True):
+def prepare(q, k, v, *, layout="BNSD", cu_seqlens_kv=None, seqused_kv=None, smooth_k=True, rotate=False):
     """The tensors ``quant_flash_attn`` would get, before encoding: (q, k_smoothed, v), key means, rule.
 
     Returns ``(tensors, mu)`` where ``tensors`` are the float tensors to quantise (K smoothed
@@ -252,6 +253,8 @@ def prepare(q, k, v, *, layout="BNSD", cu_seqlens_kv=None, seqused_kv=None, smoo
     if smooth_k:
         mu = key_means(k, layout, cu_seqlens_kv, seqused_kv)
         k_in = k.float() - _broadcast_means(mu, layout, cu_seqlens_kv, k.shape[0])
+    if rotate:
+        return (rotation.rotate(q), rotation.rotate(k_in), rotation.rotate(v)), mu
     return (q, k_in, v), mu
 
 
@@ -270,12 +273,12 @@ def _compute_scales(tensors, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seq
 
 def hif8_attention_eager(q, k, v, q_scale, k_scale, v_scale, p_scale, cu_seqlens_q, cu_seqlens_kv,
                          seqused_q, seqused_kv, is_causal, scale, layout, calibration, smooth_k, return_lse,
-                         backend):
+                         backend, rotate=False):
     """The computation behind :func:`hif8_attention` (arguments already validated; tensors for scales)."""
     from qfa.attention.op import quant_flash_attn
 
     tensors, mu = prepare(q, k, v, layout=layout, cu_seqlens_kv=cu_seqlens_kv, seqused_kv=seqused_kv,
-                          smooth_k=smooth_k)
+                          smooth_k=smooth_k, rotate=rotate)
     qs, ks, vs = _compute_scales(tensors, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, calibration,
                                  (q_scale, k_scale, v_scale))
     codes = [cal.quantize(t, s) for t, s in zip(tensors, (qs, ks, vs))]
@@ -287,7 +290,7 @@ def hif8_attention_eager(q, k, v, q_scale, k_scale, v_scale, p_scale, cu_seqlens
         mask_mode=CAUSAL_MASK_MODE if is_causal else 0, softmax_scale=softmax_scale,
         return_softmax_lse=bool(return_lse), backend=backend,
     )
-    out = out.to(q.dtype)
+    out = (rotation.rotate(out) if rotate else out).to(q.dtype)  # H is its own inverse
     if not return_lse:
         return out, q.new_empty((0,), dtype=torch.float32)
     if mu is not None:
@@ -301,7 +304,7 @@ def hif8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
                    cu_seqlens_kv: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
                    seqused_kv: Optional[torch.Tensor] = None, calibration: cal.RuleLike | None = None,
                    smooth_k: bool = True, p_scale=None, scales: Optional[Sequence] = None,
-                   return_lse: bool = False, backend: Optional[str] = None):
+                   return_lse: bool = False, backend: Optional[str] = None, rotate: bool = False):
     """Attention on fp16/bf16/fp32 tensors through HiF8 per-tensor quantisation (quant_mode 7).
 
     Like ``torch.nn.functional.scaled_dot_product_attention`` without a dropout or an explicit
@@ -333,6 +336,10 @@ def hif8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
         scales: optional ``(q_scale, k_scale, v_scale)`` static scales (floats or fp32 (1,)
             tensors; None entries are computed by ``calibration``). With ``smooth_k`` the K scale
             applies to the smoothed K.
+        rotate: rotate the head dimension of q, k and v by a normalised Hadamard matrix before
+            quantising and rotate the output back (exact in real arithmetic, see
+            :mod:`qfa.attention.rotation`): it spreads outlier channels, so per-tensor scales
+            fit HiF8's 3-bit binades better, at the cost of four 128 x 128 matmuls per token.
         return_lse: also return the natural-log LSE of the (unsmoothed) scores, fp32, (B, Nq, Sq)
             or (Nq, Tq) for TND; rows that see no key get +inf.
         backend: ``"torch"`` / ``"triton"`` / None (by device, or ``$QFA_BACKEND``).
@@ -344,8 +351,9 @@ def hif8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
     computation is then the custom op ``torch.ops.qfa.hif8_attention``.
     """
     _validate(q, k, v, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, scale, p_scale, scales)
-    if not isinstance(smooth_k, bool):
-        raise TypeError(f"smooth_k must be a bool, got {type(smooth_k).__name__}")
+    for flag, name in ((smooth_k, "smooth_k"), (rotate, "rotate")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if calibration is None:
@@ -365,9 +373,9 @@ def hif8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
                 "calibration must be a registered rule name under torch.compile (a callable cannot cross the "
                 "custom op); register it with qfa.attention.calibration.register_rule(name, fn)"
             )
-        out, lse = torch.ops.qfa.hif8_attention(*args, calibration, smooth_k, return_lse, backend)
+        out, lse = torch.ops.qfa.hif8_attention(*args, calibration, smooth_k, return_lse, backend, rotate)
     else:
-        out, lse = hif8_attention_eager(*args, calibration, smooth_k, return_lse, backend)
+        out, lse = hif8_attention_eager(*args, calibration, smooth_k, return_lse, backend, rotate)
     return (out, lse) if return_lse else out
 
 
@@ -403,7 +411,7 @@ class HiF8Attention(nn.Module):
 
     def __init__(self, *, is_causal: bool = False, scale: Optional[float] = None, layout: str = "BNSD",
                  calibration: cal.RuleLike | None = None, smooth_k: bool = True, p_scale=None,
-                 backend: Optional[str] = None, static: bool = False):
+                 backend: Optional[str] = None, static: bool = False, rotate: bool = False):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -411,7 +419,7 @@ class HiF8Attention(nn.Module):
         self.calibration = cal.DEFAULT_RULE if calibration is None else calibration
         self.is_causal, self.scale, self.layout = bool(is_causal), scale, layout
         self.smooth_k, self.p_scale, self.backend = bool(smooth_k), p_scale, backend
-        self.static = bool(static)
+        self.static, self.rotate = bool(static), bool(rotate)
         for name in ("q_scale", "k_scale", "v_scale"):
             self.register_buffer(name, torch.full((1,), math.nan, dtype=torch.float32))
         self._has_scales = False
@@ -431,7 +439,7 @@ class HiF8Attention(nn.Module):
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"
         return (f"layout={self.layout!r}, is_causal={self.is_causal}, calibration={self.calibration!r}, "
-                f"smooth_k={self.smooth_k}, mode={mode}")
+                f"smooth_k={self.smooth_k}, rotate={self.rotate}, mode={mode}")
 
     def start_calibration(self) -> None:
         """Begin (or restart) recording batches for :meth:`freeze`."""
@@ -443,7 +451,7 @@ class HiF8Attention(nn.Module):
         if self._observers is None:
             self.start_calibration()
         tensors, _ = prepare(q, k, v, layout=self.layout, cu_seqlens_kv=cu_seqlens_kv, seqused_kv=seqused_kv,
-                             smooth_k=self.smooth_k)
+                             smooth_k=self.smooth_k, rotate=self.rotate)
         valid = ((seqused_q, cu_seqlens_q), (seqused_kv, cu_seqlens_kv), (seqused_kv, cu_seqlens_kv))
         for obs, t, (used, cu), name in zip(self._observers, tensors, valid, "qkv"):
             obs.observe(_valid_values(t, self.layout, used, cu), name)
@@ -506,7 +514,7 @@ class HiF8Attention(nn.Module):
             q, k, v, is_causal=self.is_causal if is_causal is None else is_causal, scale=self.scale,
             layout=self.layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
             seqused_kv=seqused_kv, calibration=self.calibration, smooth_k=self.smooth_k, p_scale=self.p_scale,
-            scales=scales, return_lse=return_lse, backend=self.backend,
+            scales=scales, return_lse=return_lse, backend=self.backend, rotate=self.rotate,
         )
 
 

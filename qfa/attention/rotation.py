@@ -1,0 +1,35 @@
+"""Hadamard rotation of the head dimension: an exact transform that suits a tapered format.
+
+For an orthogonal H, (Q H)(K H)^T = Q K^T and P (V H) H^T = P V, so rotating Q, K and V before
+quantising and rotating the output back changes nothing in exact arithmetic. What it changes
+is the distribution each per-tensor scale sees: a normalised Hadamard matrix spreads the few
+outlier channels of Q and K over all 128, so values bunch around the RMS, inside the 7 binades
+where HiF8 keeps 3 mantissa bits (the QuaRot / SpinQuant idea, here applied to attention).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:  # Sylvester's construction
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(torch.float32)
+
+
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The symmetric, orthogonal n x n Sylvester-Hadamard matrix scaled by 1/sqrt(n), fp32."""
+    return _hadamard_cpu(n).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` over the last dimension, in fp32 (H is its own inverse)."""
+    return x.float() @ hadamard(x.shape[-1], x.device)
