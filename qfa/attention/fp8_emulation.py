@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from qfa.attention import rotation
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 _ROW_CHUNK = 1024
@@ -27,18 +29,21 @@ def fake_quant_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_e4m3_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False, scale: float | None = None,
-    smooth_k: bool = False,
+    smooth_k: bool = False, rotate: bool = False,
 ) -> torch.Tensor:
     """Attention with per-tensor E4M3 Q/K/V and P; float BNSD in, fp32 BNSD out.
 
     ``smooth_k`` subtracts the per-head, per-channel mean of K over the keys first (exact for
-    softmax), so that comparisons with HiF8's K smoothing are like for like.
+    softmax), and ``rotate`` applies the same Hadamard rotation as :func:`qfa.hif8_attention`
+    does, so that comparisons with HiF8 are like for like.
     """
     B, Nq, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if smooth_k:
         k = k.float() - k.float().mean(dim=2, keepdim=True)
+    if rotate:
+        q, k, v = rotation.rotate(q), rotation.rotate(k), rotation.rotate(v)
     qf, kf, vf = fake_quant_e4m3(q), fake_quant_e4m3(k), fake_quant_e4m3(v)
     group = Nq // Nkv
     kf = kf.repeat_interleave(group, dim=1)
@@ -56,4 +61,4 @@ def fp8_e4m3_attention(
         l = p.sum(dim=-1, keepdim=True)
         p8 = (p * E4M3_MAX).to(E4M3).float() / E4M3_MAX
         out[:, :, r0:r1] = torch.where(l > 0, (p8 @ vf) / l.clamp_min(1e-30), torch.zeros(()))
-    return out
+    return rotation.rotate(out) if rotate else out
