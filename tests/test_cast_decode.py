@@ -12,23 +12,11 @@ import spec_reference as spec
 from qfa import _compile
 from qfa.cast import torch_path
 
+pytestmark = pytest.mark.usefixtures("torch_backend")
+
 MODES = spec.OVERFLOW_MODES
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALL_CODES = torch.arange(256, dtype=torch.uint8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_backend():
-    # The Triton kernel has its own tests; an inherited QFA_BACKEND must not reroute these.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("QFA_BACKEND", raising=False)
-        yield
-
-
-@pytest.fixture(params=["compiled", "eager"])
-def path(request, monkeypatch):
-    monkeypatch.setenv(_compile.ENV_VAR, "0" if request.param == "eager" else "1")
-    return request.param
 
 
 def compiled_ran(fn) -> bool:
