@@ -1,0 +1,284 @@
+"""HiF8 attention inside Hugging Face transformers models.
+
+::
+
+    import qfa.integrations.transformers as qfa_hf
+
+    qfa_hf.register()                                   # "qfa_hif8"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="qfa_hif8")
+    # or, on a loaded model:
+    model.set_attn_implementation("qfa_hif8")
+
+:func:`register` adds an attention function to transformers' ``AttentionInterface`` and a
+matching mask function to ``AttentionMaskInterface`` under one name. The mask function does not
+build a dense 4D mask: for causal attention it hands the attention function ``None`` (no padding)
+or a 2D boolean key-validity mask that ends at the last query's position. The attention function
+then calls :func:`qfa.hif8_attention`:
+
+- no padding: one BNSD call, ``is_causal`` aligned bottom-right, which is what both a causal
+  prefill (Sq == Skv) and a continuation / decode step on a KV cache (Sq < Skv) need;
+- padding (left or right, with or without a cache): the valid tokens are gathered into the TND
+  layout with per-sequence ``cu_seqlens`` (padding tokens take no part, not even in the
+  per-tensor scales), attention runs on that, and the outputs are scattered back; padded query
+  rows get zeros.
+
+Everything else (sliding windows, packed sequences, custom mask overlays, bidirectional masks,
+head_dim != 128) is not something the HiF8 op computes: those calls raise a clear error, or go
+to transformers' ``sdpa`` when registered with ``fallback="sdpa"``.
+
+The same plumbing takes any attention function with :func:`qfa.hif8_attention`'s calling
+convention (``attention_fn=``): :func:`register_fp8_e4m3` registers a per-tensor FP8 E4M3
+emulation this way, so both are compared through identical code in ``qfa eval-ppl``.
+
+transformers is an optional dependency (``pip install 'qfa[transformers]'``); it is imported
+inside :func:`register`, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+#: Head dimension the HiF8 op supports.
+HEAD_DIM = 128
+FALLBACKS = (None, "sdpa")
+
+__all__ = ["register", "register_fp8_e4m3", "fp8_e4m3_adapter", "make_attention_function", "qfa_mask"]
+
+
+# --------------------------------------------------------------------------------------------
+# mask function (AttentionMaskInterface)
+# --------------------------------------------------------------------------------------------
+
+
+def _as_int(x) -> int:
+    return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+
+
+def qfa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """Mask function registered with ``AttentionMaskInterface``.
+
+    Causal attention (transformers' ``causal_mask_function``) gives ``None`` when no key is
+    masked, else a 2D bool (B, L) key-validity mask over the key window ``[kv_offset,
+    q_offset + q_length)``: L ends at the last query's position, so a key beyond it (the unused
+    tail of a static cache) is invalid, and the queries are the last ``q_length`` columns.
+    Any other pattern (sliding window, packed sequences, overlays, bidirectional) gets the dense
+    4D boolean mask transformers builds for sdpa; the attention function sends that to sdpa when
+    a fallback was asked for, and raises otherwise.
+    """
+    from transformers import masking_utils as mu
+
+    if mask_function is not mu.causal_mask_function:
+        kwargs.pop("allow_is_causal_skip", None)
+        kwargs.pop("allow_is_bidirectional_skip", None)
+        return mu.sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+            allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs,
+        )
+    end = _as_int(q_offset) + q_length  # one past the last query's position
+    length = end - kv_offset
+    if attention_mask is None:
+        if length == kv_length:
+            return None
+        device = kwargs.get("device", "cpu")
+        return torch.ones(batch_size, length, dtype=torch.bool, device=device)
+    mask = attention_mask.to(torch.bool)
+    if mask.shape[-1] < end:  # e.g. a static cache: the 2D mask covers only the tokens seen
+        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
+    mask = mask[:, kv_offset:end]
+    if length == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# attention function (AttentionInterface)
+# --------------------------------------------------------------------------------------------
+
+
+def _sdpa_mask_from_2d(valid: torch.Tensor, q_len: int, kv_len: int, is_causal: bool) -> torch.Tensor:
+    """Dense 4D bool mask (B, 1, Sq, Skv) from our 2D key mask (queries = its last Sq columns)."""
+    b, length = valid.shape
+    keys = torch.zeros(b, kv_len, dtype=torch.bool, device=valid.device)
+    keys[:, :length] = valid
+    mask = keys[:, None, None, :].expand(b, 1, q_len, kv_len)
+    if is_causal:
+        rows = torch.arange(q_len, device=valid.device)[:, None] + (length - q_len)
+        cols = torch.arange(kv_len, device=valid.device)[None, :]
+        mask = mask & (cols <= rows)
+    return mask
+
+
+def _bottom_right_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def _run_padded(fn, query, key, value, valid, is_causal, scaling, options):
+    """Gather valid tokens to TND, run ``fn``, scatter back to BSND (zeros in padded rows)."""
+    b, nq, sq, d = query.shape
+    skv = key.shape[2]
+    length = valid.shape[1]
+    if length > skv:
+        raise ValueError(f"qfa attention: the mask covers {length} keys but the layer has only {skv}")
+    keys = torch.zeros(b, skv, dtype=torch.bool, device=key.device)
+    keys[:, :length] = valid.to(key.device)
+    rows = keys[:, length - sq:length]  # the queries are the last Sq columns of the mask
+    lens_q = rows.sum(1)
+    # a sequence without a valid query produces nothing: leave its keys out too
+    keys = keys & (lens_q > 0)[:, None]
+    lens_kv = keys.sum(1)
+    out = query.new_zeros(b, sq, nq, value.shape[-1])
+    if int(lens_q.sum()) == 0:
+        return out
+    has = lens_q > 0
+    zero = torch.zeros(1, dtype=torch.int32, device=query.device)
+    cu_q = torch.cat([zero, lens_q[has].cumsum(0).to(torch.int32)])
+    cu_kv = torch.cat([zero, lens_kv[has].cumsum(0).to(torch.int32)])
+    q_t = query.transpose(1, 2)[rows]  # (Tq, Nq, D), batch-major, ascending positions
+    k_t = key.transpose(1, 2)[keys]
+    v_t = value.transpose(1, 2)[keys]
+    o_t = fn(q_t, k_t, v_t, is_causal=is_causal, scale=scaling, layout="TND",
+             cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **options)
+    out[rows] = o_t.to(out.dtype)
+    return out
+
+
+def _default_attention_fn():
+    from qfa.attention.dropin import hif8_attention
+
+    return hif8_attention
+
+
+def make_attention_function(
+    name: str = "qfa_hif8",
+    *,
+    fallback: str | None = None,
+    attention_fn: Callable | None = None,
+    **options,
+) -> Callable:
+    """The function :func:`register` hands to ``AttentionInterface`` (see the module docstring).
+
+    ``attention_fn`` defaults to :func:`qfa.hif8_attention`; ``options`` are passed to it on every
+    call (e.g. ``calibration="rms"``, ``smooth_k=True``, ``p_scale=None``, ``backend=None``).
+    """
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                  is_causal=None, sliding_window=None, softcap=None, **kwargs):
+        fn = attention_fn if attention_fn is not None else _default_attention_fn()
+        if dropout:
+            raise ValueError(f"{name}: attention dropout is not supported (inference only); put the model in eval()")
+        if softcap is not None:
+            raise ValueError(f"{name}: attention logit softcapping is not supported")
+        is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        head_dim = query.shape[-1]
+        why = None
+        if head_dim != HEAD_DIM or key.shape[-1] != HEAD_DIM or value.shape[-1] != HEAD_DIM:
+            kv_dims = "" if key.shape[-1] == value.shape[-1] == head_dim else f" (k/v {key.shape[-1]}/{value.shape[-1]})"
+            why = (f"{name} needs head_dim {HEAD_DIM} (the HiF8 op's only size), but this model's head_dim is "
+                   f"{head_dim}{kv_dims}")
+        elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+            pattern = (f"a sliding window of {sliding_window}" if sliding_window else
+                       "a custom mask pattern (packed sequences, a bidirectional or a user-made 4D mask)")
+            why = (f"{name} computes causal full attention (with padding and KV caches) only; this layer needs "
+                   f"{pattern}")
+        if why is not None:
+            if fallback == "sdpa":
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+                mask = attention_mask
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                    mask = _sdpa_mask_from_2d(mask, query.shape[2], key.shape[2], is_causal)
+                elif mask is None and is_causal and query.shape[2] != key.shape[2] and query.shape[2] > 1:
+                    mask = _bottom_right_causal(query.shape[2], key.shape[2], query.device)[None, None]
+                return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                              is_causal=is_causal, **kwargs)
+            raise ValueError(why + "; register with fallback='sdpa' to run such layers with sdpa instead")
+        if attention_mask is not None and (attention_mask.shape[1] != key.shape[2] or not bool(attention_mask.all())):
+            out = _run_padded(fn, query, key, value, attention_mask, bool(is_causal), scaling, options)
+        else:
+            out = fn(query, key, value, is_causal=bool(is_causal), scale=scaling, layout="BNSD", **options)
+            out = out.transpose(1, 2).contiguous()
+        return out, None
+
+    attention.__name__ = attention.__qualname__ = f"{name.replace('-', '_')}_attention_forward"
+    return attention
+
+
+def register(name: str = "qfa_hif8", *, fallback: str | None = None, attention_fn: Callable | None = None,
+             **options) -> str:
+    """Register ``name`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
+
+    After it, ``model.set_attn_implementation(name)`` and ``from_pretrained(...,
+    attn_implementation=name)`` run the model's attention through :func:`qfa.hif8_attention`
+    (or ``attention_fn``) with ``options`` (``calibration``, ``smooth_k``, ``p_scale``,
+    ``backend``). Handles causal prefill, continuation with a KV cache (bottom-right causal), and
+    left/right padding via per-sequence lengths. ``fallback="sdpa"`` sends layers the op cannot
+    run (head_dim != 128, sliding-window or other custom masks) to transformers' sdpa instead of
+    raising. Re-registering a name replaces it. Returns ``name``.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as exc:  # pragma: no cover - exercised only without transformers
+        raise ImportError("qfa.integrations.transformers needs transformers: pip install 'qfa[transformers]'") from exc
+    fn = make_attention_function(name, fallback=fallback, attention_fn=attention_fn, **options)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, qfa_mask)
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# per-tensor FP8 E4M3 emulation (the comparison point for HiF8)
+# --------------------------------------------------------------------------------------------
+
+
+def fp8_e4m3_adapter(q, k, v, *, is_causal: bool = False, scale: float | None = None, layout: str = "BNSD",
+                     cu_seqlens_q=None, cu_seqlens_kv=None, smooth_k: bool = True, rotate: bool = False) -> torch.Tensor:
+    """:func:`qfa.attention.fp8_emulation.fp8_e4m3_attention` with :func:`qfa.hif8_attention`'s
+    calling convention, so the same plumbing runs it: BNSD, or TND with ``cu_seqlens``.
+
+    The emulation: K smoothed (on by default here, like HiF8's ``smooth_k``, so the comparison
+    isolates the number format), Q, K and V fake-quantised to E4M3 with one scale amax / 448
+    each, exact fp32 scores, P = exp(S - rowmax) times 448 cast to E4M3 before P @ V, the row
+    sum from the unquantised P; causal aligned bottom-right. TND runs each sequence on its own
+    (its own scales and K mean); the output comes back in q's dtype.
+    """
+    from qfa.attention.fp8_emulation import fp8_e4m3_attention
+
+    if layout == "BNSD":
+        return fp8_e4m3_attention(q, k, v, is_causal=is_causal, scale=scale, smooth_k=smooth_k,
+                                  rotate=rotate).to(q.dtype)
+    if layout != "TND":
+        raise ValueError(f"layout must be 'BNSD' or 'TND', got {layout!r}")
+    cq, ckv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    for i in range(len(cq) - 1):
+        if cq[i + 1] == cq[i] or ckv[i + 1] == ckv[i]:
+            continue
+        seq = [t[a:b].transpose(0, 1)[None] for t, a, b in
+               ((q, cq[i], cq[i + 1]), (k, ckv[i], ckv[i + 1]), (v, ckv[i], ckv[i + 1]))]
+        o = fp8_e4m3_attention(*seq, is_causal=is_causal, scale=scale, smooth_k=smooth_k, rotate=rotate)
+        out[cq[i]:cq[i + 1]] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+def register_fp8_e4m3(name: str = "fp8_e4m3", *, fallback: str | None = None, smooth_k: bool = True,
+                      rotate: bool = False) -> str:
+    """Register the per-tensor FP8 E4M3 emulation (:func:`fp8_e4m3_adapter`) as ``name``."""
+    return register(name, fallback=fallback,
+                    attention_fn=functools.partial(fp8_e4m3_adapter, smooth_k=smooth_k, rotate=rotate))
