@@ -40,10 +40,11 @@ def _program_range(numel, per_program, INT64: tl.constexpr):
 
 
 @triton.jit
-def _encode_kernel(
+def _cast_kernel(
     src_ptr, dst_ptr, lut_ptr, numel, per_program,
-    TILE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, INT64: tl.constexpr,
+    TILE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, INT64: tl.constexpr, DECODE: tl.constexpr,
 ):
+    """One program walks its range tile by tile: load, look up in the host-built LUT, store."""
     start, end = _program_range(numel, per_program, INT64)
     for tile_start in range(start, end, TILE):
         limit = tl.minimum(tile_start + TILE, end)
@@ -51,22 +52,11 @@ def _encode_kernel(
             offs = tile_start + sub * BLOCK + tl.arange(0, BLOCK)
             mask = offs < limit
             x = tl.load(src_ptr + offs, mask=mask, other=0)
-            tl.store(dst_ptr + offs, hif8_encode(x, lut_ptr).to(tl.uint8), mask=mask)
-
-
-@triton.jit
-def _decode_kernel(
-    src_ptr, dst_ptr, lut_ptr, numel, per_program,
-    TILE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, INT64: tl.constexpr,
-):
-    start, end = _program_range(numel, per_program, INT64)
-    for tile_start in range(start, end, TILE):
-        limit = tl.minimum(tile_start + TILE, end)
-        for sub in tl.static_range(SUB):
-            offs = tile_start + sub * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < limit
-            codes = tl.load(src_ptr + offs, mask=mask, other=0)
-            tl.store(dst_ptr + offs, hif8_decode_bits(codes, lut_ptr), mask=mask)
+            if DECODE:
+                y = hif8_decode_bits(x, lut_ptr)
+            else:
+                y = hif8_encode(x, lut_ptr).to(tl.uint8)
+            tl.store(dst_ptr + offs, y, mask=mask)
 
 
 def _platform(platform: Platform | str | None, device: torch.device) -> Platform:
@@ -94,12 +84,12 @@ def _output(out: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) ->
     return out
 
 
-def _launch(kernel, plan: CastPlan, src: torch.Tensor, dst: torch.Tensor, lut: torch.Tensor) -> None:
-    """Launch ``kernel`` exactly as ``plan`` says: grid, per-program range, tile, block."""
+def _launch(plan: CastPlan, src: torch.Tensor, dst: torch.Tensor, lut: torch.Tensor, *, decode: bool) -> None:
+    """Launch the cast kernel exactly as ``plan`` says: grid, per-program range, tile, block."""
     options = {} if plan.num_warps is None else {"num_warps": plan.num_warps}
-    kernel[(plan.grid,)](
+    _cast_kernel[(plan.grid,)](
         src, dst, lut, plan.numel, plan.per_program,
-        TILE=plan.tile, BLOCK=plan.block, SUB=plan.sub_blocks, INT64=plan.use_int64,
+        TILE=plan.tile, BLOCK=plan.block, SUB=plan.sub_blocks, INT64=plan.use_int64, DECODE=decode,
         **options,
     )
 
@@ -131,7 +121,7 @@ def encode(
     plan = encode_plan(flat, overflow, platform)
     lut = luts.half_space_lut(luts.table_dtype(flat.dtype), overflow, flat.device)
     src = flat if flat.dtype == torch.float32 else flat.view(torch.int16)
-    _launch(_encode_kernel, plan, src, out, lut)
+    _launch(plan, src, out, lut, decode=False)
     return out
 
 
@@ -153,5 +143,5 @@ def decode(
         return out
     plan = decode_plan(flat_codes, dtype, platform)
     lut = luts.decode_lut(dtype, flat_codes.device)
-    _launch(_decode_kernel, plan, flat_codes, out.view(luts.BITS_VIEW[dtype]), lut)
+    _launch(plan, flat_codes, out.view(luts.BITS_VIEW[dtype]), lut, decode=True)
     return out

@@ -218,7 +218,7 @@ def test_launch_uses_the_plan():
     assert plan.grid > 1
     out = torch.full((x.numel(),), 0xAA, dtype=torch.uint8)
     lut = luts.half_space_lut(torch.bfloat16, "saturate")
-    K._launch(K._encode_kernel, dataclasses.replace(plan, grid=plan.grid - 1), x.view(torch.int16), out, lut)
+    K._launch(dataclasses.replace(plan, grid=plan.grid - 1), x.view(torch.int16), out, lut, decode=False)
     start, end = plan.program_range(plan.grid - 1)
     expected = torch_encode(x, "saturate")
     assert torch.equal(out[:start], expected[:start])
@@ -227,9 +227,9 @@ def test_launch_uses_the_plan():
     seen = []
     original = K._launch
 
-    def spy(kernel, plan, *args):
+    def spy(plan, *args, **kwargs):
         seen.append(plan)
-        return original(kernel, plan, *args)
+        return original(plan, *args, **kwargs)
 
     try:
         K._launch = spy
@@ -369,15 +369,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         assert "ld.global" in k.asm["ptx"]
 
     common = {"numel": "i32", "per_program": "i32", "TILE": "constexpr", "BLOCK": "constexpr",
-              "SUB": "constexpr", "INT64": "constexpr"}
+              "SUB": "constexpr", "INT64": "constexpr", "DECODE": "constexpr"}
     for src in ("*i16", "*fp32"):
         for i64 in (False, True):
-            comp(K._encode_kernel, {"src_ptr": src, "dst_ptr": "*u8", "lut_ptr": "*u8", **common,
-                                    "numel": "i64" if i64 else "i32"},
-                 {"TILE": 2432, "BLOCK": 2048, "SUB": 2, "INT64": i64})
+            comp(K._cast_kernel, {"src_ptr": src, "dst_ptr": "*u8", "lut_ptr": "*u8", **common,
+                                  "numel": "i64" if i64 else "i32"},
+                 {"TILE": 2432, "BLOCK": 2048, "SUB": 2, "INT64": i64, "DECODE": False})
     for dst in ("*i16", "*i32"):
-        comp(K._decode_kernel, {"src_ptr": "*u8", "dst_ptr": dst, "lut_ptr": dst, **common},
-             {"TILE": 4096, "BLOCK": 4096, "SUB": 1, "INT64": False})
+        comp(K._cast_kernel, {"src_ptr": "*u8", "dst_ptr": dst, "lut_ptr": dst, **common},
+             {"TILE": 4096, "BLOCK": 4096, "SUB": 1, "INT64": False, "DECODE": True})
 
     @triton.jit
     def helpers(x_ptr, y_ptr, c_ptr, v_ptr, lut, dlut, n, BLOCK: tl.constexpr, DT: tl.constexpr):
