@@ -57,9 +57,15 @@ def test_rotation_reduces_error_on_outlier_channels():
     # rotation spreads them. Measured: about 0.26 -> 0.05 relative L2; assert a 2x gain.
     q, k, v = llm_like_qkv(1, 8, 2, 512, seed=0)
     exact = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    plain = rel_l2(qfa.hif8_attention(q, k, v, is_causal=True), exact)
+    plain = rel_l2(qfa.hif8_attention(q, k, v, is_causal=True, rotate=False), exact)
     rotated = rel_l2(qfa.hif8_attention(q, k, v, is_causal=True, rotate=True), exact)
     assert rotated < plain / 2
+
+
+def test_rotation_is_the_default():
+    q, k, v = llm_like_qkv(1, 2, 1, 64, seed=6)
+    assert torch.equal(qfa.hif8_attention(q, k, v), qfa.hif8_attention(q, k, v, rotate=True))
+    assert qfa.HiF8Attention().rotate
 
 
 def test_rotate_must_be_bool():

@@ -304,7 +304,7 @@ def hif8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
                    cu_seqlens_kv: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
                    seqused_kv: Optional[torch.Tensor] = None, calibration: cal.RuleLike | None = None,
                    smooth_k: bool = True, p_scale=None, scales: Optional[Sequence] = None,
-                   return_lse: bool = False, backend: Optional[str] = None, rotate: bool = False):
+                   return_lse: bool = False, backend: Optional[str] = None, rotate: bool = True):
     """Attention on fp16/bf16/fp32 tensors through HiF8 per-tensor quantisation (quant_mode 7).
 
     Like ``torch.nn.functional.scaled_dot_product_attention`` without a dropout or an explicit
@@ -340,6 +340,8 @@ def hif8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
             quantising and rotate the output back (exact in real arithmetic, see
             :mod:`qfa.attention.rotation`): it spreads outlier channels, so per-tensor scales
             fit HiF8's 3-bit binades better, at the cost of four 128 x 128 matmuls per token.
+            On by default: on Qwen2.5-Coder-1.5B it halved the KL to bf16 attention and put
+            perplexity within 0.6 % of bf16 on every text measured (see the README).
         return_lse: also return the natural-log LSE of the (unsmoothed) scores, fp32, (B, Nq, Sq)
             or (Nq, Tq) for TND; rows that see no key get +inf.
         backend: ``"torch"`` / ``"triton"`` / None (by device, or ``$QFA_BACKEND``).
@@ -411,7 +413,7 @@ class HiF8Attention(nn.Module):
 
     def __init__(self, *, is_causal: bool = False, scale: Optional[float] = None, layout: str = "BNSD",
                  calibration: cal.RuleLike | None = None, smooth_k: bool = True, p_scale=None,
-                 backend: Optional[str] = None, static: bool = False, rotate: bool = False):
+                 backend: Optional[str] = None, static: bool = False, rotate: bool = True):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
