@@ -58,11 +58,12 @@ def attention_rows(q, k, v) -> tuple[list[list[str]], dict[str, float]]:
 
     exact, t_exact = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     variants = {
-        "HiF8, default rule + K smoothing": lambda: hif8_attention(q, k, v, is_causal=True),
-        "HiF8, amax/32768, no smoothing": lambda: hif8_attention(q, k, v, is_causal=True, calibration="amax",
-                                                                smooth_k=False),
-        "FP8 E4M3 emulation + K smoothing": lambda: fp8_e4m3_attention(q, k, v, is_causal=True, smooth_k=True),
-        "FP8 E4M3 emulation, no smoothing": lambda: fp8_e4m3_attention(q, k, v, is_causal=True),
+        "HiF8, default (rms, K smoothing, rotation)": lambda: hif8_attention(q, k, v, is_causal=True),
+        "HiF8, amax/32768, no smoothing or rotation": lambda: hif8_attention(
+            q, k, v, is_causal=True, calibration="amax", smooth_k=False, rotate=False),
+        "FP8 E4M3 emulation, K smoothing + rotation": lambda: fp8_e4m3_attention(
+            q, k, v, is_causal=True, smooth_k=True, rotate=True),
+        "FP8 E4M3 emulation, plain": lambda: fp8_e4m3_attention(q, k, v, is_causal=True),
     }
     hif8_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], is_causal=True)  # warm-up: compile once
     rows, rel = [], {}

@@ -117,10 +117,14 @@ def accuracy_rows(seq: int) -> list[list[str]]:
                             ("LLM-like", llm_like_qkv(1, 12, 2, seq))):
         exact = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         variants = {
-            "HiF8 amax/32768": lambda: hif8_attention(q, k, v, is_causal=True, calibration="amax", smooth_k=False),
-            "HiF8 default + smooth K": lambda: hif8_attention(q, k, v, is_causal=True),
+            "HiF8 amax/32768": lambda: hif8_attention(q, k, v, is_causal=True, calibration="amax", smooth_k=False,
+                                                      rotate=False),
+            "HiF8 rms + smooth K": lambda: hif8_attention(q, k, v, is_causal=True, rotate=False),
+            "HiF8 default (rms + smooth K + rotate)": lambda: hif8_attention(q, k, v, is_causal=True),
             "FP8 E4M3 amax/448": lambda: fp8_e4m3_attention(q, k, v, is_causal=True),
             "FP8 E4M3 + smooth K": lambda: fp8_e4m3_attention(q, k, v, is_causal=True, smooth_k=True),
+            "FP8 E4M3 + smooth K + rotate": lambda: fp8_e4m3_attention(q, k, v, is_causal=True, smooth_k=True,
+                                                                       rotate=True),
         }
         for label, fn in variants.items():
             cos, rel, mx = error_metrics(fn(), exact)
