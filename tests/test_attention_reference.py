@@ -18,7 +18,8 @@ import torch
 import attention_reference as ref
 import spec_reference as spec
 from qfa.attention import quant_flash_attn
-from qfa.attention.torch_path import hif8_round_table, round_to_hif8, to_bf16_round_half_away
+from qfa.attention.torch_path import round_to_hif8, to_bf16_round_half_away
+from qfa.cast.luts import round_lut
 
 D = 128
 
@@ -185,7 +186,7 @@ def test_hif8_round_matches_spec_module():
     expected = np.array([spec.decode(spec.encode(float(v))) for v in x])
     assert np.array_equal(ref.hif8_round(x), expected, equal_nan=True)
     # And the torch path's P rounding (one gather from a 65536-entry table) on the same values.
-    got = round_to_hif8(torch.from_numpy(x), hif8_round_table(torch.device("cpu"))).to(torch.float64).numpy()
+    got = round_to_hif8(torch.from_numpy(x), round_lut("cpu")).to(torch.float64).numpy()
     assert np.array_equal(got, expected, equal_nan=True)
 
 

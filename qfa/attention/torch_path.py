@@ -23,16 +23,6 @@ from qfa.tiling.attention import AttentionPlan
 _BF16_ROUND_BIT = 0x8000
 
 
-def hif8_round_table(device: torch.device) -> torch.Tensor:
-    """fp32[65536]: the saturating HiF8 rounding of any fp32 whose upper 16 bits are ``i``.
-
-    HiF8 rounding reads only the upper 16 bits of an fp32 (see ``qfa.cast.luts``), so one gather
-    rounds P; built from the encode and decode LUTs, the format's single source of truth.
-    """
-    codes = luts.full_lut(torch.bfloat16, "saturate", device)
-    return luts.decode_lut(torch.float32, device)[codes.to(torch.int64)].view(torch.float32)
-
-
 def round_to_hif8(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """HiF8 values nearest to fp32 ``x`` (ties away from zero, saturating), as fp32."""
     index = (x.view(torch.int32) >> 16) & 0xFFFF
@@ -136,7 +126,7 @@ def forward(
 
     dscale = (q_descale * k_descale) * plan.softmax_scale
     ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=device)
-    table = hif8_round_table(device)
+    table = luts.round_lut(device)
 
     m = torch.full((B * Nq, Sq), float("-inf"), device=device)
     l = torch.zeros(B * Nq, Sq, device=device)

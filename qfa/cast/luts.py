@@ -105,3 +105,17 @@ def table_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype whose encode table serves ``dtype`` (fp32 uses bf16's, see module doc)."""
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
+
+
+def _build_round() -> torch.Tensor:
+    codes = full_lut(torch.bfloat16, "saturate")
+    return decode_lut(torch.float32)[codes.to(torch.int64)].view(torch.float32)
+
+
+def round_lut(device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32[65536]: the saturating HiF8 rounding of any fp32 whose upper 16 bits are ``i``.
+
+    HiF8 rounding reads only those bits (see the module docstring), so one gather rounds a
+    tensor to HiF8 values; the torch attention path rounds P with it.
+    """
+    return _cached(("round",), torch.device(device), _build_round)
