@@ -200,7 +200,9 @@ def test_bench_measure_on_synthetic_captures():
     ]
     rows = bench.measure(caps, ["amax", "rms"], smooth_options=(True,))
     by_name = {r.method: r for r in rows}
-    assert list(by_name)[0] == "bf16 SDPA (no quantisation)" and list(by_name)[-2:] == ["HiF8 amax", "HiF8 rms"]
+    assert list(by_name)[0] == "bf16 SDPA (no quantisation)"
+    assert list(by_name)[-4:] == ["HiF8 amax", "HiF8 amax + rotation", "HiF8 rms", "HiF8 rms + rotation"]
     base, amax, rms = by_name["bf16 SDPA (no quantisation)"], by_name["HiF8 amax"], by_name["HiF8 rms"]
     assert base.rel_l2 < 0.01 < rms.rel_l2 < amax.rel_l2
+    assert bench.best_rule(rows, True) in ("amax", "rms")
     assert all(0.5 < r.cosine <= 1.0 for r in rows)

@@ -155,6 +155,10 @@ def _row(method, smooth_k, per_layer: list[tuple[int, float, float]], seconds) -
                worst[2], worst[0], seconds)
 
 
+#: Suffix of the rows measured with the Hadamard rotation.
+ROTATED = " + rotation"
+
+
 def measure(captures: Sequence[Capture], rules: Sequence[str], smooth_options: Sequence[bool] = (False, True),
             backend: Optional[str] = None, progress: bool = False) -> list[Row]:
     """Rows of the table: bf16 SDPA, then each (rule, smooth_k), errors against exact fp32 attention."""
@@ -174,22 +178,25 @@ def measure(captures: Sequence[Capture], rules: Sequence[str], smooth_options: S
         from qfa.attention.fp8_emulation import fp8_e4m3_attention
     except ImportError:
         fp8_e4m3_attention = None
+    # The Hadamard rotation (the drop-in's default) is measured with K smoothing only.
+    variants = [(smooth, False) for smooth in smooth_options] + [(True, True)] * (True in smooth_options)
     if fp8_e4m3_attention is not None:
-        for smooth in smooth_options:
+        for smooth, rotate in variants:
             t0 = time.perf_counter()
             per_layer = [(c.layer, *_errors(fp8_e4m3_attention(c.q, c.k, c.v, is_causal=True, scale=c.scaling,
-                                                                smooth_k=smooth), ref))
+                                                                smooth_k=smooth, rotate=rotate), ref))
                          for c, ref in zip(captures, refs)]
-            rows.append(_row("FP8 E4M3 amax/448 (emulated)", smooth, per_layer, time.perf_counter() - t0))
+            rows.append(_row("FP8 E4M3 amax/448 (emulated)" + ROTATED * rotate, smooth, per_layer,
+                             time.perf_counter() - t0))
     for rule in rules:
-        for smooth in smooth_options:
+        for smooth, rotate in variants:
             t0 = time.perf_counter()
             per_layer = []
             for c, ref in zip(captures, refs):
                 out = hif8_attention(c.q, c.k, c.v, is_causal=True, scale=c.scaling, calibration=rule,
-                                     smooth_k=smooth, backend=backend)
+                                     smooth_k=smooth, backend=backend, rotate=rotate)
                 per_layer.append((c.layer, *_errors(out, ref)))
-            rows.append(_row(f"HiF8 {rule}", smooth, per_layer, time.perf_counter() - t0))
+            rows.append(_row(f"HiF8 {rule}" + ROTATED * rotate, smooth, per_layer, time.perf_counter() - t0))
             if progress:
                 r = rows[-1]
                 print(f"  {r.method:<12} smooth_k={smooth!s:<5} rel L2 {r.rel_l2:.5f}", file=sys.stderr, flush=True)
@@ -211,7 +218,9 @@ def format_table(rows: Sequence[Row]) -> str:
 def best_rule(rows: Sequence[Row], smooth_k: bool = True) -> Optional[str]:
     """The rule with the lowest mean relative L2 error for the given smoothing setting."""
     cands = [r for r in rows if r.smooth_k is smooth_k and r.method.startswith("HiF8 ")]
-    return min(cands, key=lambda r: r.rel_l2).method.removeprefix("HiF8 ") if cands else None
+    if not cands:
+        return None
+    return min(cands, key=lambda r: r.rel_l2).method.removeprefix("HiF8 ").removesuffix(ROTATED)
 
 
 # ----------------------------------------------------------------------------- the command
