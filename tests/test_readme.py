@@ -32,3 +32,11 @@ def test_cast_and_op_examples_run():
     exec(op_example, namespace)
     out, lse = namespace["out"], namespace["lse"]
     assert out.shape == (1, 32, 512, 128) and lse.shape == (1, 32, 512)
+
+
+def test_drop_in_example_runs():
+    namespace: dict = {}
+    exec(python_examples()[2], namespace)
+    out, q, attn = namespace["out"], namespace["q"], namespace["attn"]
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert attn.frozen and set(namespace["state"]) >= {"q_scale", "k_scale", "v_scale"}
