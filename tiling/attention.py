@@ -138,6 +138,33 @@ def _normalised_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, in
     return (batch_stride, t.stride(axes["n"]), t.stride(axes["s"]), t.stride(axes["d"]))
 
 
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[dict, dict]:
+    """The op's static shape rules: rank per layout, D = 128, k and v alike, head counts, GQA,
+    one batch size. Shared with the drop-in, which checks float q/k/v before quantising them.
+    Returns q's and k's sizes by axis name (``b``, ``n``, ``s``, ``d``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} (shared by q, k, v and out), got {layout!r}")
+    qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout), _shape_of(v, "v", layout)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for shape, name in ((qs, "q"), (ks, "k"), (vs, "v")):
+        if shape["d"] != HEAD_DIM:
+            raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
+    nq, nkv = qs["n"], ks["n"]
+    for n, name in ((nq, "q"), (nkv, "k/v")):
+        if not 1 <= n <= MAX_HEADS:
+            raise ValueError(f"head count of {name} must be in [1, {MAX_HEADS}], got {n}")
+    if nq < nkv or nq % nkv:
+        raise ValueError(f"q heads must be a multiple of k/v heads (GQA), got Nq={nq}, Nkv={nkv}")
+    if nq // nkv > MAX_GROUP:
+        raise ValueError(f"GQA group Nq/Nkv must be <= {MAX_GROUP}, got {nq // nkv}")
+    if layout != "TND":
+        for shape, name in ((ks, "k"), (vs, "v")):
+            if shape["b"] != qs["b"]:
+                raise ValueError(f"batch size of {name} must equal q's ({qs['b']}), got {shape['b']}")
+    return qs, ks
+
+
 def plan_attention(
     q, k, v, q_descale, k_descale, v_descale, quant_mode, *, p_scale, layout, cu_seqlens_q, cu_seqlens_kv,
     seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse, block_table=None, sinks=None,
@@ -161,9 +188,6 @@ def plan_attention(
         raise ValueError("block_table (paged attention) is not supported in quant_mode 7; pass contiguous k/v")
     if sinks is not None:
         raise ValueError("sinks (learnable softmax sinks) are not supported in quant_mode 7")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} (shared by q, k, v and out), got {layout!r}")
-
     device = q.device
     for t, name in ((k, "k"), (v, "v"), (q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"),
                     (p_scale, "p_scale"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_kv, "cu_seqlens_kv"),
@@ -171,20 +195,8 @@ def plan_attention(
         if isinstance(t, torch.Tensor) and t.device != device:
             raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
 
-    qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout), _shape_of(v, "v", layout)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    for shape, name in ((qs, "q"), (ks, "k"), (vs, "v")):
-        if shape["d"] != HEAD_DIM:
-            raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
+    qs, ks = check_shapes(q, k, v, layout)
     nq, nkv = qs["n"], ks["n"]
-    for n, name in ((nq, "q"), (nkv, "k/v")):
-        if not 1 <= n <= MAX_HEADS:
-            raise ValueError(f"head count of {name} must be in [1, {MAX_HEADS}], got {n}")
-    if nq < nkv or nq % nkv:
-        raise ValueError(f"q heads must be a multiple of k/v heads (GQA), got Nq={nq}, Nkv={nkv}")
-    if nq // nkv > MAX_GROUP:
-        raise ValueError(f"GQA group Nq/Nkv must be <= {MAX_GROUP}, got {nq // nkv}")
 
     if layout == "TND":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
@@ -203,9 +215,6 @@ def plan_attention(
             if t is not None:
                 raise ValueError(f"{name} is only for layout 'TND'; got it with layout {layout!r}")
         batch = qs["b"]
-        for shape, name in ((ks, "k"), (vs, "v")):
-            if shape["b"] != batch:
-                raise ValueError(f"batch size of {name} must equal q's ({batch}), got {shape['b']}")
         q_lens, kv_lens = [qs["s"]] * batch, [ks["s"]] * batch
         q_starts, kv_starts = (0,) * batch, (0,) * batch
     if not 0 < batch <= MAX_BATCH:

@@ -28,7 +28,7 @@ from qfa.attention import calibration as cal
 from qfa.attention import rotation
 from qfa.attention import custom_ops  # noqa: F401  (registers torch.ops.qfa.*)
 
-from qfa.tiling.attention import HEAD_DIM, LAYOUTS  # the op's shape rules live in one place
+from qfa.tiling.attention import LAYOUTS, check_shapes  # the op's shape rules live in one place
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: quant_mode of quant_flash_attn for HiF8 per-tensor Q/K/V/P.
@@ -67,27 +67,7 @@ def _validate(q, k, v, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_k
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    ndim = 3 if layout == "TND" else 4
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if t.dim() != ndim:
-            raise ValueError(f"{name} must be {ndim}-D in layout {layout}, got shape {tuple(t.shape)}")
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if t.shape[-1] != HEAD_DIM:
-            raise ValueError(
-                f"head_dim must be {HEAD_DIM} for HiF8 quant_flash_attn, got head_dim={t.shape[-1]} "
-                f"({name}.shape[-1])"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    head_dim_axis = {"BNSD": 1, "BSND": 2, "TND": 1}[layout]
-    nq, nkv = q.shape[head_dim_axis], k.shape[head_dim_axis]
-    if nkv == 0 or nq % nkv != 0:
-        raise ValueError(
-            f"the number of q heads must be a multiple of the number of k/v heads (GQA), got {nq} q heads "
-            f"and {nkv} k/v heads"
-        )
+    check_shapes(q, k, v, layout)  # the op's shape rules, before any work on the float tensors
     if layout == "TND":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("layout 'TND' needs cu_seqlens_q and cu_seqlens_kv (int32, batch + 1, leading 0)")
@@ -104,8 +84,6 @@ def _validate(q, k, v, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_k
     else:
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
             raise ValueError(f"cu_seqlens_q / cu_seqlens_kv are only for layout 'TND', got layout {layout!r}")
-        if q.shape[0] != k.shape[0]:
-            raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
         batch = q.shape[0]
     _check_index(seqused_q, "seqused_q", batch, q.device)
     _check_index(seqused_kv, "seqused_kv", batch, q.device)

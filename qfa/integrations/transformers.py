@@ -41,8 +41,8 @@ from typing import Callable
 
 import torch
 
-#: Head dimension the HiF8 op supports.
-HEAD_DIM = 128
+from qfa.tiling.attention import HEAD_DIM  # the op's only head size
+
 FALLBACKS = (None, "sdpa")
 
 __all__ = ["register", "register_fp8_e4m3", "fp8_e4m3_adapter", "make_attention_function", "qfa_mask"]
