@@ -113,7 +113,7 @@ def write_chart(path: Path, rel_errors: dict[str, float]) -> Path:
     ax1.set_ylabel("mantissa bits (relative precision 2^-bits)")
     ax1.set_title("Precision across binades")
     ax1.set_yticks([0, 1, 2, 3])
-    ax1.legend(loc="lower center", fontsize=8)
+    ax1.legend(loc="upper left", fontsize=8)
     labels = list(rel_errors)
     ax2.barh(labels, [rel_errors[k] for k in labels], color=["C0", "C0", "C1", "C1"])
     ax2.set_xlabel("relative L2 error vs exact fp32 attention")
