@@ -46,7 +46,7 @@ import triton.language as tl
 
 from qfa.cast import luts
 from qfa.kernels.hif8 import hif8_decode, hif8_round_sat
-from qfa.tiling.attention import AttentionPlan, _normalised_strides
+from qfa.tiling.attention import AttentionPlan, normalised_strides
 from qfa.tiling.platform import platform_for
 
 
@@ -255,7 +255,7 @@ def forward(
     _attention_kernel[plan.grid](
         q, k, v, out.view(torch.int16), lse if plan.return_lse else out, lut, scalars, seq,
         plan.batch, plan.heads_q, plan.group, n_tiles,
-        *plan.strides_q, *plan.strides_kv, *plan.strides_v, *_normalised_strides(out, plan.layout), *lse_strides,
+        *plan.strides_q, *plan.strides_kv, *plan.strides_v, *normalised_strides(out, plan.layout), *lse_strides,
         BLOCK_M=plan.block_m, SUB_M=min(opts.sub_m, plan.block_m), BLOCK_N=plan.block_n, HEAD_DIM=plan.head_dim,
         CAUSAL=plan.causal, RETURN_LSE=plan.return_lse,
         **extra,

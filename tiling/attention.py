@@ -64,6 +64,7 @@ class AttentionPlan:
     grid: tuple[int, int]  # (batch * q heads, query tiles), or a persistent grid
     persistent: bool
     tiling_key: str
+    torch_rows: int = 256
 
     @property
     def group(self) -> int:
@@ -132,7 +133,8 @@ def _shape_of(t: torch.Tensor, name: str, layout: str) -> dict[str, int]:
     return {k: t.shape[i] for k, i in axes.items()}
 
 
-def _normalised_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+def normalised_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """Element strides of ``t`` as (batch, head, position, dim); TND has batch stride 0."""
     axes = _AXES[layout]
     batch_stride = t.stride(axes["b"]) if "b" in axes else 0
     return (batch_stride, t.stride(axes["n"]), t.stride(axes["s"]), t.stride(axes["d"]))
@@ -252,8 +254,8 @@ def plan_attention(
     return AttentionPlan(
         layout=layout, batch=batch, heads_q=nq, heads_kv=nkv, head_dim=HEAD_DIM, seq_q=seq_q, seq_kv=seq_kv,
         q_starts=q_starts, kv_starts=kv_starts, q_lens=tuple(q_lens), kv_lens=tuple(kv_lens),
-        strides_q=_normalised_strides(q, layout), strides_kv=_normalised_strides(k, layout),
-        strides_v=_normalised_strides(v, layout), causal=causal,
+        strides_q=normalised_strides(q, layout), strides_kv=normalised_strides(k, layout),
+        strides_v=normalised_strides(v, layout), causal=causal,
         softmax_scale=float(softmax_scale), return_lse=bool(return_softmax_lse), block_m=BLOCK_M, block_n=BLOCK_N,
         grid=grid, persistent=persistent, tiling_key=key,
     )

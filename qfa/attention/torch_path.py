@@ -1,14 +1,22 @@
-"""The torch path of quant_flash_attn: the golden reference, vectorised, O(block) memory.
+"""The torch path of quant_flash_attn: the golden reference, and fast on CPU.
 
-All batches, heads and query rows go through each step at once; the only loop is over 256-key
-blocks in ascending order, exactly as the op's numerics prescribe (``quant-flash-attn.md``):
+The numerics are the op's (``quant-flash-attn.md``), for each query row, over its visible keys
+in 256-key blocks in ascending order:
 
-    S = Q @ K_j^T (exact HiF8 products, fp32 accumulation); S[masked] = -inf
+    S = Q @ K_j^T (exact HiF8 products, fp32 accumulation); keys the row cannot see are -inf
     m_new = max(m, rowmax(S) * dScale - ln p_scale);  P = exp(S * dScale - m_new)
     l = alpha * l + rowsum(P);  O = alpha * O + (HiF8(P) @ V_j) * v_descale
 
-Memory is a (B * Nq, rows, 256) score block at a time, never Sq x Skv. With causal masking a
-block only visits the query rows that can see one of its keys.
+The work is cut the way a CPU flash-attention kernel cuts it, so that each step's operands stay
+in cache: for each batch, a tile of query rows (``plan.torch_rows``) walks its key blocks, and
+within a block each kv head handles its whole GQA group of q heads as one matrix (G * rows, D).
+A tile only visits the blocks its rows can see (causal), only the blocks that cross the
+diagonal are masked, and keys past a batch's length are never read. Memory is O(tile), never
+Sq x Skv.
+
+The products are exact in fp32 (a HiF8 value has at most 4 significant bits), so the result
+depends only on fp32 summation order: on CPU the GEMMs go to oneDNN, whose fp32 kernels are
+2x the default BLAS here (see :mod:`qfa.attention.cpu_gemm`).
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ from __future__ import annotations
 import torch
 
 from qfa import _compile
+from qfa.attention.cpu_gemm import matmul_nt
 from qfa.cast import api as cast_api
 from qfa.cast import luts
-from qfa.tiling.attention import AttentionPlan
+from qfa.tiling.attention import AttentionPlan, normalised_strides
 
 _BF16_ROUND_BIT = 0x8000
 
@@ -36,65 +45,8 @@ def to_bf16_round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.full_like(rounded, float("nan")), rounded)
 
 
-def _to_bnsd(codes: torch.Tensor, plan: AttentionPlan, starts, lens, seq: int) -> torch.Tensor:
-    """fp32 (B, N, S, D) view of HiF8 codes in the plan's layout; TND is padded per batch."""
-    values = cast_api.decode_from_hifloat8(codes, torch.float32, backend="torch")
-    if plan.layout == "BNSD":
-        return values
-    if plan.layout == "BSND":
-        return values.transpose(1, 2).contiguous()
-    padded = values.new_zeros(plan.batch, values.shape[1], seq, values.shape[2])
-    for b, (start, n) in enumerate(zip(starts, lens)):
-        padded[b, :, :n] = values[start : start + n].transpose(0, 1)
-    return padded
-
-
-def _from_bnsd(out: torch.Tensor, plan: AttentionPlan, total_q: int) -> torch.Tensor:
-    if plan.layout == "BNSD":
-        return out
-    if plan.layout == "BSND":
-        return out.transpose(1, 2).contiguous()
-    packed = out.new_zeros(total_q, plan.heads_q, plan.head_dim)
-    for b, (start, n) in enumerate(zip(plan.q_starts, plan.q_lens)):
-        packed[start : start + n] = out[b, :, :n].transpose(0, 1)
-    return packed
-
-
-def _lse_layout(lse: torch.Tensor, plan: AttentionPlan, total_q: int) -> torch.Tensor:
-    if plan.layout != "TND":
-        return lse
-    packed = lse.new_full((plan.heads_q, total_q), float("inf"))
-    for b, (start, n) in enumerate(zip(plan.q_starts, plan.q_lens)):
-        packed[:, start : start + n] = lse[b, :, :n]
-    return packed
-
-
-def _mask_block(plan: AttentionPlan, s: torch.Tensor, r0: int, j0: int, q_lens, kv_lens, offsets, max_offset: int) -> None:
-    """Set the scores of (query, key) pairs that the plan masks to -inf, in place.
-
-    ``s`` is (B, Nq, rows from r0, keys from j0). With uniform lengths only the rows crossing
-    the causal diagonal can hold a masked key, so only they are touched.
-    """
-    rows_end = s.shape[2] + r0
-    keys_end = s.shape[3] + j0
-    if plan.uniform:
-        if not plan.causal:
-            return
-        rows_end = min(rows_end, max(r0, keys_end - 1 - max_offset))
-        if rows_end <= r0:
-            return
-    device = s.device
-    rows = torch.arange(r0, rows_end, device=device).view(1, 1, -1, 1)
-    keys = torch.arange(j0, keys_end, device=device).view(1, 1, 1, -1)
-    masked = keys > rows + offsets if plan.causal else None
-    if not plan.uniform:
-        outside = (keys >= kv_lens) | (rows >= q_lens)
-        masked = outside if masked is None else masked | outside
-    s[:, :, : rows_end - r0].masked_fill_(masked, float("-inf"))
-
-
 def _softmax_block(s, m_old, l_old, dscale, ln_p, table):
-    """One 256-key block of the online softmax: (HiF8(P), m_new, l_new, alpha)."""
+    """One 256-key block of the online softmax on rows of ``s``: (HiF8(P), m_new, l_new, alpha)."""
     m_new = torch.maximum(m_old, s.amax(dim=-1) * dscale - ln_p)
     # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
     m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
@@ -104,8 +56,44 @@ def _softmax_block(s, m_old, l_old, dscale, ln_p, table):
     return round_to_hif8(p, table), m_new, l_new, alpha
 
 
-def _rescale_accumulate(o_old, alpha, pv, v_descale):
-    return o_old * alpha.unsqueeze(-1) + pv * v_descale
+def _per_batch(t: torch.Tensor, strides, heads: int, b: int, start: int, length: int) -> torch.Tensor:
+    """(heads, length, D) view of batch ``b`` of a tensor in any layout, from its plan strides."""
+    sb, sn, ss, sd = strides
+    return t.as_strided((heads, length, t.shape[-1]), (sn, ss, sd), t.storage_offset() + b * sb + start * ss)
+
+
+def _decode(codes: torch.Tensor) -> torch.Tensor:
+    """Contiguous fp32 values of (possibly strided) HiF8 codes."""
+    return cast_api.decode_from_hifloat8(codes.contiguous(), torch.float32, backend="torch")
+
+
+class _Tile:
+    """Online-softmax state of one query tile: per kv head, (G * rows) running m, l and O."""
+
+    def __init__(self, heads_kv: int, rows: int, dim: int, device: torch.device) -> None:
+        self.m = [torch.full((rows,), float("-inf"), device=device) for _ in range(heads_kv)]
+        self.l = [torch.zeros(rows, device=device) for _ in range(heads_kv)]
+        self.o = [torch.zeros(rows, dim, device=device) for _ in range(heads_kv)]
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out bf16, lse fp32) of the tile, rows in (kv head, group, row) order."""
+        m, l, o = torch.stack(self.m), torch.stack(self.l), torch.stack(self.o)
+        return _compile.call(_normalise, o, m, l, device=o.device)
+
+
+def _normalise(o, m, l):
+    """Final O / l as bf16 (ties away) and lse = m + ln l; rows that saw no key get 0 and +inf."""
+    seen = l != 0  # a NaN row (NaN codes in q) stays NaN instead of reading as 'saw no key'
+    safe_l = torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1)
+    out = to_bf16_round_half_away(torch.where(seen.unsqueeze(-1), o / safe_l, torch.zeros_like(o)))
+    lse = torch.where(seen, m + torch.log(l), torch.full_like(l, float("inf")))
+    return out, lse
+
+
+def _visible(rows: range, j0: int, j1: int, offset: int, device: torch.device) -> torch.Tensor:
+    """(rows, keys) bool: causal visibility of keys [j0, j1) to the query rows (bottom-right)."""
+    r = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
+    return torch.arange(j0, j1, device=device).unsqueeze(0) <= r + offset
 
 
 def forward(
@@ -114,56 +102,58 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor)."""
     device = q.device
-    B, Nq, Nkv, G, D = plan.batch, plan.heads_q, plan.heads_kv, plan.group, plan.head_dim
-    Sq, Skv = plan.seq_q, plan.seq_kv
-    qf = _to_bnsd(q, plan, plan.q_starts, plan.q_lens, Sq).reshape(B * Nq, Sq, D)
-    kf = _to_bnsd(k, plan, plan.kv_starts, plan.kv_lens, Skv)
-    vf = _to_bnsd(v, plan, plan.kv_starts, plan.kv_lens, Skv)
-    if not plan.uniform:
-        # Masked keys get P = 0, but 0 * NaN is NaN: padding past seqused_kv must not be read.
-        for b, n in enumerate(plan.kv_lens):
-            vf[b, :, n:] = 0
-
+    Nq, Nkv, G, D, BN = plan.heads_q, plan.heads_kv, plan.group, plan.head_dim, plan.block_n
     dscale = (q_descale * k_descale) * plan.softmax_scale
     ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=device)
     table = luts.round_lut(device)
 
-    m = torch.full((B * Nq, Sq), float("-inf"), device=device)
-    l = torch.zeros(B * Nq, Sq, device=device)
-    o = torch.zeros(B * Nq, Sq, D, device=device)
-    q_lens = torch.tensor(plan.q_lens, device=device).view(B, 1, 1, 1)
-    kv_lens = torch.tensor(plan.kv_lens, device=device).view(B, 1, 1, 1)
-    offsets = torch.tensor(plan.causal_offsets, device=device).view(B, 1, 1, 1)
-    # A causal block's first key j0 is first visible to row j0 - max offset.
-    max_offset = max(plan.causal_offsets, default=0)
-    kv_end = max(plan.kv_lens, default=0)
+    # Rows no batch reaches (seqused_q, TND tails) and rows that see no key: out 0, lse +inf.
+    out = torch.zeros(q.shape, dtype=torch.bfloat16, device=device)
+    out_strides = normalised_strides(out, plan.layout)
+    if plan.return_lse:
+        total_q = q.shape[0] if plan.layout == "TND" else 0
+        lse = torch.full((Nq, total_q) if plan.layout == "TND" else (plan.batch, Nq, plan.seq_q), float("inf"),
+                         device=device)
+    else:
+        lse = torch.empty(0, device=device)
 
-    for j0 in range(0, kv_end, plan.block_n):
-        j1 = min(j0 + plan.block_n, kv_end)
-        r0 = max(0, j0 - max_offset) if plan.causal else 0
-        if r0 >= Sq:
-            break
-        # (B, Nkv, K, D) -> (B * Nq, K, D): the kv head of q head h is h // G.
-        k_blk = kf[:, :, j0:j1].repeat_interleave(G, dim=1).reshape(B * Nq, j1 - j0, D)
-        v_blk = vf[:, :, j0:j1].repeat_interleave(G, dim=1).reshape(B * Nq, j1 - j0, D)
-        s = torch.bmm(qf[:, r0:], k_blk.transpose(1, 2))
-        _mask_block(plan, s.view(B, Nq, Sq - r0, j1 - j0), r0, j0, q_lens, kv_lens, offsets, max_offset)
-
-        # Flat, contiguous operands keep the compiled graph's shape guards (and recompiles) few.
-        rows_k = s.view(-1, j1 - j0)
-        p8, m_new, l_new, alpha = _compile.call(_softmax_block, rows_k, m[:, r0:].reshape(-1),
-                                                l[:, r0:].reshape(-1), dscale, ln_p, table, device=device)
-        m[:, r0:] = m_new.view(B * Nq, -1)
-        l[:, r0:] = l_new.view(B * Nq, -1)
-        pv = torch.bmm(p8.view_as(s), v_blk).mul_(v_descale)
-        o[:, r0:].mul_(alpha.view(B * Nq, -1, 1)).add_(pv)
-
-    seen = l != 0  # a NaN row (NaN codes in q) stays NaN instead of reading as 'saw no key'
-    out = torch.where(seen.unsqueeze(-1), o / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), torch.zeros_like(o))
-    out = to_bf16_round_half_away(out).view(B, Nq, Sq, D)
-    total_q = q.shape[0] if plan.layout == "TND" else 0
-    out = _from_bnsd(out, plan, total_q)
-    if not plan.return_lse:
-        return out, torch.empty(0, device=device)
-    lse = torch.where(seen, m + torch.log(l), torch.full_like(l, float("inf"))).view(B, Nq, Sq)
-    return out, _lse_layout(lse, plan, total_q)
+    for b in range(plan.batch):
+        q_len, kv_len = plan.q_lens[b], plan.kv_lens[b]
+        offset = plan.causal_offsets[b]
+        if q_len == 0 or kv_len == 0:
+            continue
+        q_start = plan.q_starts[b]
+        q_b = _per_batch(q, plan.strides_q, Nq, b, q_start, q_len)
+        k_b = _decode(_per_batch(k, plan.strides_kv, Nkv, b, plan.kv_starts[b], kv_len))
+        v_b = _decode(_per_batch(v, plan.strides_v, Nkv, b, plan.kv_starts[b], kv_len))
+        out_b = _per_batch(out, out_strides, Nq, b, q_start, q_len)
+        if plan.return_lse:
+            lse_b = lse[:, q_start : q_start + q_len] if plan.layout == "TND" else lse[b, :, :q_len]
+        for t0 in range(0, q_len, plan.torch_rows):
+            rows = range(t0, min(q_len, t0 + plan.torch_rows))
+            T = len(rows)
+            # Keys the tile's last row sees; with Sq > Skv some causal tiles see none at all.
+            key_end = min(kv_len, rows[-1] + offset + 1) if plan.causal else kv_len
+            if key_end <= 0:
+                continue
+            q_tile = _decode(q_b[:, t0 : t0 + T]).view(Nkv, G * T, D)
+            state = _Tile(Nkv, G * T, D, device)
+            for j0 in range(0, key_end, BN):
+                j1 = min(j0 + BN, key_end)
+                # Only blocks that cross the diagonal hold keys some row of the tile cannot see.
+                hidden = None
+                if plan.causal and j1 - 1 > t0 + offset:
+                    hidden = ~_visible(rows, j0, j1, offset, device)
+                for h in range(Nkv):
+                    s = matmul_nt(q_tile[h], k_b[h, j0:j1])
+                    if hidden is not None:
+                        s.view(G, T, j1 - j0).masked_fill_(hidden, float("-inf"))
+                    p8, state.m[h], state.l[h], alpha = _compile.call(
+                        _softmax_block, s, state.m[h], state.l[h], dscale, ln_p, table, device=device)
+                    pv = matmul_nt(p8, v_b[h, j0:j1].t()).mul_(v_descale)
+                    state.o[h].mul_(alpha.unsqueeze(-1)).add_(pv)
+            tile_out, tile_lse = state.finish()
+            out_b[:, t0 : t0 + T] = tile_out.view(Nq, T, D)
+            if plan.return_lse:
+                lse_b[:, t0 : t0 + T] = tile_lse.view(Nq, T)
+    return out, lse
