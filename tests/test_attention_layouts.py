@@ -87,6 +87,37 @@ def test_layouts_give_identical_bits(nq, nkv, sq, skv, causal, compiled, monkeyp
     assert bits_equal(out_v, out) and bits_equal(lse_v, lse)
 
 
+@pytest.mark.parametrize("compiled", ["0", "1"], ids=["eager", "compiled"])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+def test_torch_tile_size_does_not_change_the_numbers(rows, causal, compiled, monkeypatch):
+    """The torch path cuts each batch into query tiles of ``plan.torch_rows`` positions (512+ by
+    default, so the small shapes elsewhere run one tile). Tiles of a few rows, including ones
+    that end mid-block and causal tiles whose first rows skip a block, give the same bits in
+    eager torch. Compiled, inductor may split the row sums of a tile with very few rows across
+    threads: the same fp32 values summed in another order, so lse may move by an ulp and out,
+    rarely, by one bf16 step."""
+    import dataclasses
+
+    import qfa.attention.op as op
+
+    monkeypatch.setenv("QFA_COMPILE", compiled)
+    used = dict(seqused_q=torch.tensor([300, 37, 1], dtype=torch.int32),
+                seqused_kv=torch.tensor([513, 290, 0], dtype=torch.int32))
+    q, k, v, qd, kd, vd = ref.random_qkv((3, 8, 300, D), (3, 2, 513, D), seed=23)
+    kw = dict(mask_mode=3 if causal else 0, return_softmax_lse=True, **used)
+    out, lse = attn(q, k, v, qd, kd, vd, **kw)
+    plan = op.plan_attention
+    monkeypatch.setattr(op, "plan_attention", lambda *a, **k: dataclasses.replace(plan(*a, **k), torch_rows=rows))
+    out_t, lse_t = attn(q, k, v, qd, kd, vd, **kw)
+    if compiled == "0":
+        assert bits_equal(out_t, out) and bits_equal(lse_t, lse)
+    else:
+        torch.testing.assert_close(out_t.float(), out.float(), rtol=2.0**-7, atol=0)
+        torch.testing.assert_close(lse_t, lse, rtol=1e-6, atol=0)
+        assert (out_t == out).float().mean() >= 0.999
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
 def test_tnd_unequal_lengths_equal_bnsd_with_seqused(causal):
     """Packed sequences of unequal lengths (one empty) == padded BNSD/BSND with seqused."""

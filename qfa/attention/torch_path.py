@@ -45,15 +45,29 @@ def to_bf16_round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.full_like(rounded, float("nan")), rounded)
 
 
-def _softmax_block(s, m_old, l_old, dscale, ln_p, table):
-    """One 256-key block of the online softmax on rows of ``s``: (HiF8(P), m_new, l_new, alpha)."""
-    m_new = torch.maximum(m_old, s.amax(dim=-1) * dscale - ln_p)
+def _softmax_block(s, m, l, dscale, ln_p, table, last_key=None):
+    """One 256-key block of the online softmax on the rows of ``s``.
+
+    ``last_key`` (causal blocks that cross the diagonal): per row, the last column it may see;
+    the others count as -inf. Updates the running ``m`` and ``l`` in place; returns
+    (HiF8(P), alpha).
+    """
+    hidden = None
+    if last_key is not None:
+        # Built here from an index ramp rather than passed in as a bool tensor, and applied to
+        # P rather than as -inf scores: both keep the compiled loop vectorised and fast.
+        hidden = torch.arange(s.shape[-1], device=s.device) > last_key.unsqueeze(-1)
+    row_max = (s if hidden is None else s.masked_fill(hidden, float("-inf"))).amax(dim=-1)
+    m_new = torch.maximum(m, row_max * dscale - ln_p)
     # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
     m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
     p = torch.exp(s * dscale - m_safe.unsqueeze(-1))
-    alpha = torch.exp(m_old - m_safe)
-    l_new = alpha * l_old + p.sum(dim=-1)
-    return round_to_hif8(p, table), m_new, l_new, alpha
+    if hidden is not None:
+        p = p.masked_fill(hidden, 0.0)
+    alpha = torch.exp(m - m_safe)
+    l.copy_(alpha * l + p.sum(dim=-1))
+    m.copy_(m_new)
+    return round_to_hif8(p, table), alpha
 
 
 def _per_batch(t: torch.Tensor, strides, heads: int, b: int, start: int, length: int) -> torch.Tensor:
@@ -68,17 +82,20 @@ def _decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 class _Tile:
-    """Online-softmax state of one query tile: per kv head, (G * rows) running m, l and O."""
+    """Online-softmax state of one query tile: per kv head, running m, l and O of its rows.
+
+    Rows are in (position, group) order: the rows from any position on form a suffix, so a
+    block that the tile's first positions cannot see skips them with a slice.
+    """
 
     def __init__(self, heads_kv: int, rows: int, dim: int, device: torch.device) -> None:
-        self.m = [torch.full((rows,), float("-inf"), device=device) for _ in range(heads_kv)]
-        self.l = [torch.zeros(rows, device=device) for _ in range(heads_kv)]
-        self.o = [torch.zeros(rows, dim, device=device) for _ in range(heads_kv)]
+        self.m = torch.full((heads_kv, rows), float("-inf"), device=device)
+        self.l = torch.zeros(heads_kv, rows, device=device)
+        self.o = torch.zeros(heads_kv, rows, dim, device=device)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out bf16, lse fp32) of the tile, rows in (kv head, group, row) order."""
-        m, l, o = torch.stack(self.m), torch.stack(self.l), torch.stack(self.o)
-        return _compile.call(_normalise, o, m, l, device=o.device)
+        """(out bf16, lse fp32) of the tile."""
+        return _compile.call(_normalise, self.o, self.m, self.l, device=self.o.device)
 
 
 def _normalise(o, m, l):
@@ -88,12 +105,6 @@ def _normalise(o, m, l):
     out = to_bf16_round_half_away(torch.where(seen.unsqueeze(-1), o / safe_l, torch.zeros_like(o)))
     lse = torch.where(seen, m + torch.log(l), torch.full_like(l, float("inf")))
     return out, lse
-
-
-def _visible(rows: range, j0: int, j1: int, offset: int, device: torch.device) -> torch.Tensor:
-    """(rows, keys) bool: causal visibility of keys [j0, j1) to the query rows (bottom-right)."""
-    r = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
-    return torch.arange(j0, j1, device=device).unsqueeze(0) <= r + offset
 
 
 def forward(
@@ -124,36 +135,45 @@ def forward(
             continue
         q_start = plan.q_starts[b]
         q_b = _per_batch(q, plan.strides_q, Nq, b, q_start, q_len)
-        k_b = _decode(_per_batch(k, plan.strides_kv, Nkv, b, plan.kv_starts[b], kv_len))
-        v_b = _decode(_per_batch(v, plan.strides_v, Nkv, b, plan.kv_starts[b], kv_len))
+        # fp32 K and V one block of keys at a time: each block is a separate allocation small
+        # enough to be recycled from call to call (a 32 MiB one would be page-faulted in anew).
+        k_b = _per_batch(k, plan.strides_kv, Nkv, b, plan.kv_starts[b], kv_len)
+        v_b = _per_batch(v, plan.strides_v, Nkv, b, plan.kv_starts[b], kv_len)
+        k_blocks = [_decode(k_b[:, j0 : j0 + BN]) for j0 in range(0, kv_len, BN)]
+        v_blocks = [_decode(v_b[:, j0 : j0 + BN]) for j0 in range(0, kv_len, BN)]
         out_b = _per_batch(out, out_strides, Nq, b, q_start, q_len)
         if plan.return_lse:
             lse_b = lse[:, q_start : q_start + q_len] if plan.layout == "TND" else lse[b, :, :q_len]
         for t0 in range(0, q_len, plan.torch_rows):
-            rows = range(t0, min(q_len, t0 + plan.torch_rows))
-            T = len(rows)
+            t1 = min(q_len, t0 + plan.torch_rows)
+            T = t1 - t0
             # Keys the tile's last row sees; with Sq > Skv some causal tiles see none at all.
-            key_end = min(kv_len, rows[-1] + offset + 1) if plan.causal else kv_len
+            key_end = min(kv_len, t1 + offset) if plan.causal else kv_len
             if key_end <= 0:
                 continue
-            q_tile = _decode(q_b[:, t0 : t0 + T]).view(Nkv, G * T, D)
-            state = _Tile(Nkv, G * T, D, device)
-            for j0 in range(0, key_end, BN):
-                j1 = min(j0 + BN, key_end)
-                # Only blocks that cross the diagonal hold keys some row of the tile cannot see.
-                hidden = None
-                if plan.causal and j1 - 1 > t0 + offset:
-                    hidden = ~_visible(rows, j0, j1, offset, device)
+            # (Nq, T, D) -> (Nkv, T * G, D): each kv head's GQA group as one matrix.
+            q_tile = _decode(q_b[:, t0:t1].view(Nkv, G, T, D).transpose(1, 2)).view(Nkv, T * G, D)
+            state = _Tile(Nkv, T * G, D, device)
+            # Blocks end at kv_len, never at the tile's causal edge (that part is masked), so
+            # every row sums the same block whatever the tile: the tile does not change a bit.
+            for j0, k_blk, v_blk in zip(range(0, key_end, BN), k_blocks, v_blocks):
+                j1 = j0 + k_blk.shape[1]
+                # Positions before j0 - offset see no key of this block: for them the block is a
+                # no-op (P = 0, alpha = 1), so they are left out.
+                r0 = max(t0, j0 - offset) if plan.causal else t0
+                lo = (r0 - t0) * G
+                # Only blocks that cross the diagonal hold keys some row cannot see.
+                last_key = None
+                if plan.causal and j1 - 1 > r0 + offset:
+                    last_key = torch.arange(r0 + offset - j0, t1 + offset - j0, device=device).repeat_interleave(G)
                 for h in range(Nkv):
-                    s = matmul_nt(q_tile[h], k_b[h, j0:j1])
-                    if hidden is not None:
-                        s.view(G, T, j1 - j0).masked_fill_(hidden, float("-inf"))
-                    p8, state.m[h], state.l[h], alpha = _compile.call(
-                        _softmax_block, s, state.m[h], state.l[h], dscale, ln_p, table, device=device)
-                    pv = matmul_nt(p8, v_b[h, j0:j1].t()).mul_(v_descale)
-                    state.o[h].mul_(alpha.unsqueeze(-1)).add_(pv)
+                    s = matmul_nt(q_tile[h, lo:], k_blk[h])
+                    p8, alpha = _compile.call(_softmax_block, s, state.m[h, lo:], state.l[h, lo:], dscale, ln_p, table,
+                                              last_key, device=device)
+                    pv = matmul_nt(p8, v_blk[h].t()).mul_(v_descale)
+                    state.o[h, lo:].mul_(alpha.unsqueeze(-1)).add_(pv)
             tile_out, tile_lse = state.finish()
-            out_b[:, t0 : t0 + T] = tile_out.view(Nq, T, D)
+            out_b[:, t0:t1] = tile_out.view(Nkv, T, G, D).transpose(1, 2).reshape(Nq, T, D)
             if plan.return_lse:
-                lse_b[:, t0 : t0 + T] = tile_lse.view(Nq, T)
+                lse_b[:, t0:t1] = tile_lse.view(Nkv, T, G).transpose(1, 2).reshape(Nq, T)
     return out, lse
