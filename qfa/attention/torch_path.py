@@ -55,15 +55,18 @@ def _softmax_block(s, m, l, dscale, ln_p, table, last_key=None):
     hidden = None
     if last_key is not None:
         # Built here from an index ramp rather than passed in as a bool tensor, and applied to
-        # P rather than as -inf scores: both keep the compiled loop vectorised and fast.
+        # the exponent and P rather than as -inf scores: a bool load, or an exp that meets -inf
+        # or overflows, drops the compiled loop off its fast vectorised path.
         hidden = torch.arange(s.shape[-1], device=s.device) > last_key.unsqueeze(-1)
     row_max = (s if hidden is None else s.masked_fill(hidden, float("-inf"))).amax(dim=-1)
     m_new = torch.maximum(m, row_max * dscale - ln_p)
     # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
     m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-    p = torch.exp(s * dscale - m_safe.unsqueeze(-1))
-    if hidden is not None:
-        p = p.masked_fill(hidden, 0.0)
+    exponent = s * dscale - m_safe.unsqueeze(-1)
+    if hidden is None:
+        p = torch.exp(exponent)
+    else:
+        p = torch.exp(exponent.masked_fill(hidden, 0.0)).masked_fill(hidden, 0.0)
     alpha = torch.exp(m - m_safe)
     l.copy_(alpha * l + p.sum(dim=-1))
     m.copy_(m_new)

@@ -23,6 +23,10 @@ HEADS = ((12, 2), (32, 8))
 SEQS = (512, 1024, 2048, 4096)
 MEMORY_SEQ = 16384
 MEMORY_LIMIT_GIB = 4.0
+#: The issue's speed target: the torch path at most this many times fp32 SDPA's time ...
+SPEED_TARGET_RATIO = 1.0
+#: ... from this sequence length up.
+SPEED_TARGET_MIN_SEQ = 2048
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,10 +57,11 @@ def quantised_inputs(heads_q: int, heads_kv: int, seq: int, seed: int = 0):
     return codes, descales, values
 
 
-def speed_rows(seqs, backend: str) -> list[list[str]]:
+def speed_rows(seqs, backend: str) -> tuple[list[list[str]], list[float]]:
+    """The speed table, and qfa / fp32 SDPA for the rows the target covers."""
     from qfa.attention import quant_flash_attn
 
-    rows = []
+    rows, target_ratios = [], []
     for hq, hkv in HEADS:
         for seq in seqs:
             codes, descales, (qd, kd, vd) = quantised_inputs(hq, hkv, seq)
@@ -70,9 +75,11 @@ def speed_rows(seqs, backend: str) -> list[list[str]]:
             flops = causal_flops(hq, seq)
             rows.append([f"({hq}, {hkv})", seq, f"{t_ours * 1e3:.1f}", f"{flops / t_ours / 1e9:.1f}",
                          f"{t32 * 1e3:.1f}", f"{t_ours / t32:.2f}x", f"{t16 * 1e3:.1f}", f"{t_ours / t16:.2f}x"])
+            if seq >= SPEED_TARGET_MIN_SEQ:
+                target_ratios.append(t_ours / t32)
             print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    return rows
+    return rows, target_ratios
 
 
 _MEMORY_SCRIPT = """
@@ -135,8 +142,14 @@ def accuracy_rows(seq: int) -> list[list[str]]:
 def run(args: argparse.Namespace) -> int:
     print(f"quant_flash_attn (mode 7, causal, B=1, D=128) vs SDPA; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, backend={args.backend}")
+    rows, target_ratios = speed_rows(args.seqs, args.backend)
     print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
-                          "SDPA bf16 ms", "qfa / bf16"], speed_rows(args.seqs, args.backend)))
+                          "SDPA bf16 ms", "qfa / bf16"], rows))
+    if target_ratios:
+        met = sum(r <= SPEED_TARGET_RATIO for r in target_ratios)
+        print(f"\nspeed target (qfa <= {SPEED_TARGET_RATIO:.1f}x fp32 SDPA for S >= {SPEED_TARGET_MIN_SEQ}): "
+              f"{'met' if met == len(target_ratios) else 'NOT met'} in {met} of {len(target_ratios)} rows "
+              f"(worst {max(target_ratios):.2f}x)")
     if args.memory_seq:
         mem = peak_memory(args.memory_seq, args.backend)
         verdict = "OK" if mem["peak_growth_gib"] < MEMORY_LIMIT_GIB else "OVER"
