@@ -131,9 +131,8 @@ def forward(
     else:
         lse = torch.empty(0, device=device)
 
-    for b in range(plan.batch):
+    for b, offset in enumerate(plan.causal_offsets):
         q_len, kv_len = plan.q_lens[b], plan.kv_lens[b]
-        offset = plan.causal_offsets[b]
         if q_len == 0 or kv_len == 0:
             continue
         q_start = plan.q_starts[b]
