@@ -23,7 +23,7 @@ def onednn_enabled(device: torch.device) -> bool:
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b.T`` in fp32 for 2-D ``a`` (M, K) and ``b`` (N, K); ``b`` may be a strided view."""
+    """``a @ b.T`` in fp32 for ``a`` (..., K) and 2-D ``b`` (N, K); either may be a strided view."""
     if onednn_enabled(a.device):
         return _LINEAR(a, b, None, "none", [], "")
     return a @ b.t()

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from qfa.attention.cpu_gemm import matmul_nt
+
 
 @functools.lru_cache(maxsize=8)
 def _hadamard_cpu(n: int) -> torch.Tensor:
@@ -31,5 +33,5 @@ def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x @ H`` over the last dimension, in fp32 (H is its own inverse)."""
-    return x.float() @ hadamard(x.shape[-1], x.device)
+    """``x @ H`` over the last dimension, in fp32 (H is its own inverse, and symmetric)."""
+    return matmul_nt(x.float(), hadamard(x.shape[-1], x.device))
