@@ -8,6 +8,7 @@ is skipped where it is unavailable (no C++ compiler) or disabled with ``QFA_COMP
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -22,6 +23,22 @@ RECOMPILE_LIMIT = 64
 _lock = threading.Lock()
 _compiled: dict[Callable, Callable] = {}
 _failed: set[Callable] = set()
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def limits():
+    """qfa's recompile limit, set once around a stretch of :func:`call`s (patching dynamo's
+    config costs about 20 us, as much as the compiled call itself)."""
+    if getattr(_scope, "active", False):
+        yield
+        return
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        _scope.active = True
+        try:
+            yield
+        finally:
+            _scope.active = False
 
 
 def enabled(fn: Callable, device: torch.device) -> bool:
@@ -36,7 +53,7 @@ def call(fn: Callable, *args, device: torch.device):
             if compiled is None:
                 compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with limits():
                 return compiled(*args)
         except Exception as exc:  # no C++ compiler, unsupported platform, ...
             _failed.add(fn)

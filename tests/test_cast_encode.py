@@ -409,3 +409,22 @@ def test_input_left_unmodified(dtype, size):
     qfa.encode_to_hifloat8(x)
     qfa.encode_to_hifloat8(x[::3].view(-1, 1).t())
     assert np.array_equal(bit_patterns(x), bit_patterns(before))  # bitwise, so NaNs compare
+
+
+def test_compile_limits_scope_qfa_calls_only():
+    """qfa's recompile limit holds inside :func:`_compile.limits` (nested scopes included) and
+    the user's dynamo config is back afterwards, also after an exception."""
+    user = torch._dynamo.config.recompile_limit
+    assert user != _compile.RECOMPILE_LIMIT  # otherwise the test proves nothing
+    with _compile.limits():
+        assert torch._dynamo.config.recompile_limit == _compile.RECOMPILE_LIMIT
+        with _compile.limits():
+            assert torch._dynamo.config.recompile_limit == _compile.RECOMPILE_LIMIT
+        assert torch._dynamo.config.recompile_limit == _compile.RECOMPILE_LIMIT
+    assert torch._dynamo.config.recompile_limit == user
+    with pytest.raises(RuntimeError):
+        with _compile.limits():
+            raise RuntimeError("boom")
+    assert torch._dynamo.config.recompile_limit == user
+    with _compile.limits():  # and a later scope still applies it
+        assert torch._dynamo.config.recompile_limit == _compile.RECOMPILE_LIMIT

@@ -115,6 +115,11 @@ def forward(
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor)."""
+    with _compile.limits():
+        return _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+
+
+def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
     device = q.device
     Nq, Nkv, G, D, BN = plan.heads_q, plan.heads_kv, plan.group, plan.head_dim, plan.block_n
     dscale = (q_descale * k_descale) * plan.softmax_scale
