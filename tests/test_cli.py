@@ -40,12 +40,21 @@ def test_bench_attention_small():
     assert "SDPA fp32" in out and "peak memory" in out and "FP8 E4M3" in out
 
 
+def test_bench_attention_heads_and_target_verdict():
+    out = qfa("bench", "attention", "--heads", "2:1", "--seqs", "64,2048", "--memory-seq", "0", "--accuracy-seq", "0")
+    rows = [line for line in out.splitlines() if line.startswith("| (2, 1)")]
+    assert [row.split("|")[2].strip() for row in rows] == ["64", "2048"]
+    assert "speed target" in out and "of 1 rows" in out  # only S >= 2048 counts
+    assert "peak memory" not in out and "accuracy" not in out
+
+
 def test_unknown_command_fails():
     done = subprocess.run([sys.executable, "-m", "qfa", "nope"], capture_output=True, text=True)
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
-@pytest.mark.parametrize("args", [["bench", "cast", "--sizes", "x"], ["demo", "--seq", "-"]])
+@pytest.mark.parametrize("args", [["bench", "cast", "--sizes", "x"], ["demo", "--seq", "-"],
+                                  ["bench", "attention", "--heads", "12:5"], ["bench", "attention", "--heads", "12"]])
 def test_bad_arguments_fail_cleanly(args):
     done = subprocess.run([sys.executable, "-m", "qfa", *args], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
