@@ -12,13 +12,13 @@ import sys
 
 #: command -> (module, one-line help)
 COMMANDS = {
-    "demo": ("qfa.demo", "HiF8 vs FP8 E4M3 on a built-in LLM-like workload: codec and attention error, speed, chart"),
-    "eval-ppl": ("qfa.eval_ppl", "perplexity / top-1 agreement / KL of attention implementations on a local model"),
+    "demo": ("qfa.tools.demo", "HiF8 vs FP8 E4M3 on a built-in LLM-like workload: codec and attention error, speed, chart"),
+    "eval-ppl": ("qfa.tools.eval_ppl", "perplexity / top-1 agreement / KL of attention implementations on a local model"),
 }
 BENCHES = {
-    "cast": ("qfa.bench.cast", "HiF8 encode/decode throughput vs torch's native fp8 cast and a copy"),
-    "attention": ("qfa.bench.attention", "quant_flash_attn torch path vs SDPA: time, GFLOP/s, memory, accuracy"),
-    "calibration": ("qfa.bench.calibration", "calibration rules measured on a real model's attention activations"),
+    "cast": ("qfa.tools.bench.cast", "HiF8 encode/decode throughput vs torch's native fp8 cast and a copy"),
+    "attention": ("qfa.tools.bench.attention", "quant_flash_attn torch path vs SDPA: time, GFLOP/s, memory, accuracy"),
+    "calibration": ("qfa.tools.bench.calibration", "calibration rules measured on a real model's attention activations"),
 }
 
 

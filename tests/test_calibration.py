@@ -176,7 +176,7 @@ def test_observer_subsamples_large_batches_and_stays_close():
 # ----------------------------------------------------------------------------- bench helpers
 
 def test_bench_layer_parsing_and_table():
-    from qfa.bench import calibration as bench
+    from qfa.tools.bench import calibration as bench
 
     assert bench.parse_layers("all", 4) == [0, 1, 2, 3]
     assert bench.parse_layers("0,2-3", 4) == [0, 2, 3]
@@ -189,7 +189,7 @@ def test_bench_layer_parsing_and_table():
 
 
 def test_bench_measure_on_synthetic_captures():
-    from qfa.bench import calibration as bench
+    from qfa.tools.bench import calibration as bench
 
     g = torch.Generator().manual_seed(1)
     caps = [

@@ -1,4 +1,4 @@
-"""``qfa eval-ppl`` on a tiny random model saved to a temporary folder, and ``qfa.models``."""
+"""``qfa eval-ppl`` on a tiny random model saved to a temporary folder, and ``qfa.tools.models``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from qfa import eval_ppl, models  # noqa: E402
+from qfa.tools import eval_ppl, models  # noqa: E402
 
 TEXT = (
     "This program is free software: you can redistribute it and/or modify it under the terms of the "
@@ -150,7 +150,7 @@ def test_resolve_model(tmp_path):
         eval_ppl.resolve_model(str(tmp_path), "other.gguf")
 
 
-# ----------------------------------------------------------------------------- qfa.models
+# ----------------------------------------------------------------------------- qfa.tools.models
 
 @pytest.fixture
 def fake_packaged(tmp_path, monkeypatch):

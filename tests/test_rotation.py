@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import qfa
 from qfa.attention import rotation
-from qfa.workloads import llm_like_qkv
+from qfa.tools.workloads import llm_like_qkv
 
 
 def rel_l2(a, b):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from qfa.cast.api import as_codes
+from qfa.tiling.checks import check_scalar_fp32, int32_vector, require_tensor
 
 #: quant_mode 7 (HiF8 per-tensor); upstream renumbered it 0, accepted as an alias.
 QUANT_MODES = (7, 0)
@@ -90,29 +91,6 @@ class AttentionPlan:
         return tuple(kv - q for q, kv in zip(self.q_lens, self.kv_lens))
 
 
-def _require_tensor(value, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _check_scalar_fp32(value, name: str) -> None:
-    _require_tensor(value, name)
-    if value.dtype != torch.float32:
-        raise TypeError(f"{name} must be torch.float32, got {value.dtype}")
-    if tuple(value.shape) != (1,):
-        raise ValueError(f"{name} must have shape (1,), got {tuple(value.shape)}")
-
-
-def _int32_vector(value, name: str, length: int) -> list[int]:
-    _require_tensor(value, name)
-    if value.dtype != torch.int32:
-        raise TypeError(f"{name} must be torch.int32, got {value.dtype}")
-    if tuple(value.shape) != (length,):
-        raise ValueError(f"{name} must have shape ({length},), got {tuple(value.shape)}")
-    return [int(v) for v in value.tolist()]
-
-
 def _lengths_from_cu(cu: list[int], name: str, total: int) -> list[int]:
     if cu[0] != 0:
         raise ValueError(f"{name} must start with 0, got {cu[0]}")
@@ -127,7 +105,7 @@ def _lengths_from_cu(cu: list[int], name: str, total: int) -> list[int]:
 def _apply_seqused(lens: list[int], seqused, name: str, batch: int) -> list[int]:
     if seqused is None:
         return lens
-    used = _int32_vector(seqused, name, batch)
+    used = int32_vector(seqused, name, batch)
     for b, (u, n) in enumerate(zip(used, lens)):
         if not 0 <= u <= n:
             raise ValueError(f"{name}[{b}] must be in [0, {n}] (the sequence's length), got {u}")
@@ -180,7 +158,7 @@ def plan_attention(
     seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse, block_table=None, sinks=None,
 ) -> AttentionPlan:
     """Validate one quant_flash_attn call against the spec and derive its plan."""
-    q, k, v = (_require_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = (require_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         as_codes(t, name)
     if not q.dtype == k.dtype == v.dtype:
@@ -188,9 +166,9 @@ def plan_attention(
     if isinstance(quant_mode, bool) or quant_mode not in QUANT_MODES:
         raise ValueError(f"quant_mode must be 7 (HiF8 per-tensor; 0 is its alias), got {quant_mode!r}")
     for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):
-        _check_scalar_fp32(t, name)
+        check_scalar_fp32(t, name)
     if p_scale is not None:
-        _check_scalar_fp32(p_scale, "p_scale")
+        check_scalar_fp32(p_scale, "p_scale")
         p_value = float(p_scale.item()) if p_scale.device.type != "meta" else 1.0
         if not (math.isfinite(p_value) and p_value > 0):
             raise ValueError(f"p_scale must be a finite value > 0 (it enters as -ln(p_scale)), got {p_value}")
@@ -211,12 +189,12 @@ def plan_attention(
     if layout == "TND":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("layout 'TND' needs cu_seqlens_q and cu_seqlens_kv (int32, B+1, leading 0)")
-        cu_q = _require_tensor(cu_seqlens_q, "cu_seqlens_q")
+        cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")
         if cu_q.dim() != 1 or cu_q.numel() < 2:
             raise ValueError(f"cu_seqlens_q must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_q.shape)}")
         batch = cu_q.numel() - 1
-        cu_q_list = _int32_vector(cu_q, "cu_seqlens_q", batch + 1)
-        cu_kv_list = _int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
+        cu_q_list = int32_vector(cu_q, "cu_seqlens_q", batch + 1)
+        cu_kv_list = int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
         q_lens = _lengths_from_cu(cu_q_list, "cu_seqlens_q", qs["s"])
         kv_lens = _lengths_from_cu(cu_kv_list, "cu_seqlens_kv", ks["s"])
         q_starts, kv_starts = tuple(cu_q_list[:-1]), tuple(cu_kv_list[:-1])
@@ -237,7 +215,7 @@ def plan_attention(
     if attn_mask is not None:
         if mask_mode == 0:
             raise ValueError("attn_mask must be None with mask_mode 0 (no mask)")
-        _require_tensor(attn_mask, "attn_mask")
+        require_tensor(attn_mask, "attn_mask")
         expected = f"int8 {list(CAUSAL_MASK_SHAPE)} (the compressed causal mask)"
         if attn_mask.dtype != torch.int8:  # a dtype error is a TypeError, as everywhere else here
             raise TypeError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from qfa.bench.timing import markdown_table, median_seconds
+from qfa.tools.bench.timing import markdown_table, median_seconds
 
 HEADS = ((12, 2), (32, 8))
 SEQS = (512, 1024, 2048, 4096)
@@ -100,7 +100,7 @@ def speed_rows(seqs, backend: str, heads=HEADS) -> tuple[list[list[str]], list[f
 
 _MEMORY_SCRIPT = """
 import json, resource, sys, torch
-from qfa.bench.attention import quantised_inputs
+from qfa.tools.bench.attention import quantised_inputs
 from qfa.attention import quant_flash_attn
 seq = int(sys.argv[1])
 codes, descales, _ = quantised_inputs(32, 8, seq)
@@ -131,7 +131,7 @@ def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, f
 def accuracy_rows(seq: int) -> list[list[str]]:
     from qfa.attention.dropin import hif8_attention
     from qfa.attention.fp8_emulation import fp8_e4m3_attention
-    from qfa.workloads import llm_like_qkv, uniform_qkv
+    from qfa.tools.workloads import llm_like_qkv, uniform_qkv
 
     rows = []
     for name, (q, k, v) in (("N(0,1)", tuple(torch.randn(1, n, seq, 128, generator=torch.Generator().manual_seed(1))

@@ -15,7 +15,7 @@ KL(reference || implementation) of the next-token distributions in nats. The tab
 
 ``--model`` is a transformers model folder, a ``.gguf`` file (or a folder with ``--gguf FILE``;
 loaded with ``GgufConfig(dequantize=True)``), or the name of a model shipped in PyPI packages
-(:data:`qfa.models.PACKAGED`). Texts ending in ``.gz`` are read through gzip.
+(:data:`qfa.tools.models.PACKAGED`). Texts ending in ``.gz`` are read through gzip.
 
 Attention implementations: anything transformers knows (``sdpa``, ``eager``), ``qfa_hif8``
 (HiF8 attention, :mod:`qfa.integrations.transformers`) and ``fp8_e4m3`` (a per-tensor FP8 E4M3
@@ -84,7 +84,7 @@ def read_text(path: os.PathLike) -> str:
 
 def resolve_model(model: str, gguf: str | None = None) -> tuple[str, str | None, str]:
     """``(folder, gguf_file or None, label)`` for ``--model`` / ``--gguf``."""
-    from qfa import models
+    from qfa.tools import models
 
     if model in models.PACKAGED:
         if gguf is not None:

@@ -1,7 +1,7 @@
 """``qfa demo``: what HiF8 does to attention, next to per-tensor FP8 E4M3, on a built-in workload.
 
 The workload has LLM-like statistics (keys with a per-channel offset, a few outlier channels;
-see :mod:`qfa.workloads`); nothing is downloaded. It prints the codec round-trip error of Q, K
+see :mod:`qfa.tools.workloads`); nothing is downloaded. It prints the codec round-trip error of Q, K
 and V, the attention output error against exact fp32 attention, the speed of each path, and
 writes a PNG chart (HiF8's relative precision across binades beside E4M3/E5M2, and the errors).
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qfa.bench.attention import error_metrics
-from qfa.bench.timing import markdown_table
+from qfa.tools.bench.attention import error_metrics
+from qfa.tools.bench.timing import markdown_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +126,7 @@ def write_chart(path: Path, rel_errors: dict[str, float]) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qfa.workloads import llm_like_qkv
+    from qfa.tools.workloads import llm_like_qkv
 
     heads_q, heads_kv = (int(h) for h in args.heads.split(","))
     q, k, v = llm_like_qkv(1, heads_q, heads_kv, args.seq, seed=args.seed)

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from qfa.bench.timing import human_count, markdown_table, median_seconds
+from qfa.tools.bench.timing import human_count, markdown_table, median_seconds
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
