@@ -14,12 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from qfa.cast.api import as_codes
+from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
 from qfa.tiling.checks import check_scalar_fp32, int32_vector, require_tensor
 
-#: quant_mode 7 (HiF8 per-tensor); upstream renumbered it 0, accepted as an alias.
-QUANT_MODES = (7, 0)
 LAYOUTS = ("BNSD", "BSND", "TND")
-HEAD_DIM = 128
 #: Keys per softmax block: it changes the numbers (P is quantised relative to the running max).
 BLOCK_N = 256
 #: Query rows per kernel program (upstream's tile); it does not change the numbers.
@@ -119,6 +117,15 @@ def _shape_of(t: torch.Tensor, name: str, layout: str) -> dict[str, int]:
     return {k: t.shape[i] for k, i in axes.items()}
 
 
+def lse_shape(q_shape, layout: str) -> tuple[int, ...]:
+    """Shape of the fp32 LSE for a q of ``q_shape`` in ``layout``: (B, Nq, Sq), or (Nq, Tq) for TND.
+    The one place this is known: the plan, the backends and the fake kernels all ask here."""
+    axes = _AXES[layout]
+    if layout == "TND":
+        return (q_shape[axes["n"]], q_shape[axes["s"]])
+    return (q_shape[axes["b"]], q_shape[axes["n"]], q_shape[axes["s"]])
+
+
 def normalised_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     """Element strides of ``t`` as (batch, head, position, dim); TND has batch stride 0."""
     axes = _AXES[layout]
@@ -163,7 +170,7 @@ def plan_attention(
         as_codes(t, name)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one HiF8 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if isinstance(quant_mode, bool) or quant_mode not in QUANT_MODES:
+    if isinstance(quant_mode, bool) or quant_mode not in (QuantMode.HIF8_PER_TENSOR, *LEGACY_QUANT_MODES):
         raise ValueError(f"quant_mode must be 7 (HiF8 per-tensor; 0 is its alias), got {quant_mode!r}")
     for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):
         check_scalar_fp32(t, name)

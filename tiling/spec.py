@@ -1,0 +1,43 @@
+"""The op family's spec constants, defined once: quant and mask modes, the head size, float dtypes.
+
+Everything else (the plan, the drop-in, the adapters, the upstream-compatible module) imports
+them from here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+
+class QuantMode(enum.IntEnum):
+    """``quant_mode`` of quant_flash_attn, upstream's current numbering."""
+
+    HIF8_PER_TENSOR = 0
+    MXFP8 = 1
+    FP8_PER_TOKEN_HEAD = 6
+
+
+#: Upstream's older headers numbered HiF8 per-tensor 7; accepted as an alias of 0.
+LEGACY_QUANT_MODES = {7: QuantMode.HIF8_PER_TENSOR}
+
+
+class MaskMode(enum.IntEnum):
+    """``mask_mode`` of quant_flash_attn: only these two are supported."""
+
+    NONE = 0
+    CAUSAL = 3  # aligned bottom-right with the per-batch lengths
+
+
+#: The head size of q, k and v in the HiF8 mode.
+HEAD_DIM = 128
+#: Floating dtypes the cast and the drop-in take.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def default_softmax_scale(head_dim: int = HEAD_DIM) -> float:
+    """qfa's ``softmax_scale=None``: 1/sqrt(D), the SDPA/FlashAttention convention (upstream's
+    own default is 1.0; ``qfa.compat.cann_ops_transformer`` keeps that)."""
+    return 1.0 / math.sqrt(head_dim)
