@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qfa.tools.bench.attention import error_metrics
+from qfa.tools.metrics import error_metrics
 from qfa.tools.bench.timing import markdown_table
 
 

@@ -13,11 +13,13 @@ import json
 import math
 import subprocess
 import sys
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from qfa.tools.bench.timing import markdown_table, median_seconds
+from qfa.tools.metrics import error_metrics
 
 HEADS = ((12, 2), (32, 8))
 SEQS = (512, 1024, 2048, 4096)
@@ -98,6 +100,15 @@ def speed_rows(seqs, backend: str, heads=HEADS) -> tuple[list[list[str]], list[f
     return rows, target_ratios
 
 
+def speed_verdict(ratios: Sequence[float]) -> str:
+    """The verdict line on the speed target, from qfa / fp32 SDPA of the rows it covers (S >= the minimum)."""
+    if not ratios:
+        raise ValueError("speed_verdict needs at least one measured ratio, got none")
+    met = sum(r <= SPEED_TARGET_RATIO for r in ratios)
+    return (f"speed target (qfa <= {SPEED_TARGET_RATIO:.1f}x fp32 SDPA for S >= {SPEED_TARGET_MIN_SEQ}): "
+            f"{'met' if met == len(ratios) else 'NOT met'} in {met} of {len(ratios)} rows (worst {max(ratios):.2f}x)")
+
+
 _MEMORY_SCRIPT = """
 import json, resource, sys, torch
 from qfa.tools.bench.attention import quantised_inputs
@@ -119,13 +130,6 @@ def peak_memory(seq: int, backend: str) -> dict:
     done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(seq), backend], capture_output=True, text=True,
                           check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
-    """(cosine similarity, relative L2 error, max abs error) of ``out`` against ``ref``."""
-    out, ref = out.double().flatten(), ref.double().flatten()
-    cos = torch.nn.functional.cosine_similarity(out, ref, dim=0).item()
-    return cos, ((out - ref).norm() / ref.norm()).item(), (out - ref).abs().max().item()
 
 
 def accuracy_rows(seq: int) -> list[list[str]]:
@@ -162,10 +166,7 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
                           "SDPA bf16 ms", "qfa / bf16"], rows))
     if target_ratios:
-        met = sum(r <= SPEED_TARGET_RATIO for r in target_ratios)
-        print(f"\nspeed target (qfa <= {SPEED_TARGET_RATIO:.1f}x fp32 SDPA for S >= {SPEED_TARGET_MIN_SEQ}): "
-              f"{'met' if met == len(target_ratios) else 'NOT met'} in {met} of {len(target_ratios)} rows "
-              f"(worst {max(target_ratios):.2f}x)")
+        print("\n" + speed_verdict(target_ratios))
     if args.memory_seq:
         mem = peak_memory(args.memory_seq, args.backend)
         verdict = "OK" if mem["peak_growth_gib"] < MEMORY_LIMIT_GIB else "OVER"
