@@ -37,7 +37,7 @@ VOCAB = 512
 
 # ----------------------------------------------------------------------------- helpers
 
-def exact_attention(q, k, v, *, is_causal=False, scale=None, layout="BNSD", cu_seqlens_q=None, cu_seqlens_kv=None,
+def exact_attention(q, k, v, *, is_causal=False, softmax_scale=None, layout="BNSD", cu_seqlens_q=None, cu_seqlens_kv=None,
                     **unused):
     """fp32 attention with hif8_attention's calling convention (bottom-right causal, GQA, TND)."""
 
@@ -49,7 +49,7 @@ def exact_attention(q, k, v, *, is_causal=False, scale=None, layout="BNSD", cu_s
         mask = None
         if is_causal:
             mask = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + (skv - sq)
-        return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=softmax_scale)
 
     if layout == "BNSD":
         return bnsd(q, k, v).to(q.dtype)

@@ -34,10 +34,9 @@ import torch
 
 from qfa.cast import format as fmt
 from qfa.tiling.platform import Platform, get_platform
+from qfa.tiling.spec import FLOAT_DTYPES  # the dtypes the cast takes (encode) or produces (decode)
 
 OPS = ("encode", "decode")
-#: Floating dtypes the cast takes (encode) or produces (decode).
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8"}
 
 #: Entries of the half-space encode table (uint8, indexed by the low 15 bits of an fp16/bf16

@@ -7,7 +7,11 @@ the argument, what was expected and what was given.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from qfa.tiling.spec import FLOAT_DTYPES
 
 
 def require_tensor(value, name: str) -> torch.Tensor:
@@ -45,3 +49,106 @@ def check_int32_vector(value, name: str, length: int) -> torch.Tensor:
 def int32_vector(value, name: str, length: int) -> list[int]:
     """The values of an int32 (length,) tensor, as Python ints (a host read)."""
     return [int(v) for v in check_int32_vector(value, name, length).tolist()]
+
+
+def check_device(value, name: str, device: torch.device) -> None:
+    """``value`` (when a tensor) on ``device``, q's device: every tensor of a call lives there."""
+    if isinstance(value, torch.Tensor) and value.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {value.device}")
+
+
+def check_float_tensor(value, name: str) -> torch.Tensor:
+    """A tensor of one of the floating dtypes the cast and the drop-in take (spec.FLOAT_DTYPES)."""
+    require_tensor(value, name)
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {value.dtype}")
+    return value
+
+
+def check_positive_float(value, name: str) -> float:
+    """A Python number, finite and > 0, as a float (a tensor or a bool is refused: reading a
+    tensor here would cost a device sync, and ``True`` is not a scale)."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float or None, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def check_p_scale_value(value: float) -> float:
+    """p_scale's value (read from its tensor, or given as a number): finite and > 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"p_scale must be a finite value > 0 (it enters as -ln(p_scale)), got {value}")
+    return value
+
+
+def check_sequence_lengths(layout: str, *, batch: int | None = None, device: torch.device | None = None,
+                           cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None,
+                           max_batch: int | None = None) -> int | None:
+    """The static rules of the per-sequence lengths; returns the batch size B.
+
+    TND needs ``cu_seqlens_q`` and ``cu_seqlens_kv`` (int32, 1-D, B + 1 entries; B is then
+    their length less one) and the other layouts refuse them: B is then ``batch`` (q's leading
+    size), or, when the caller has no q (a plan made before the tensors), ``seqused``'s length
+    (None when nothing gives it). ``seqused_q`` / ``seqused_kv`` are optional int32 (B,) in every
+    layout. The tensors are on ``device`` (q's), or, without one, on one device. With
+    ``max_batch``, B must be in [1, max_batch]. Reads no tensor value (no device sync): the values
+    (leading 0, monotone, within the tensor) are :func:`cumulative_lengths` and
+    :func:`apply_seqused`'s job. ``layout`` must already be one of the layouts.
+    """
+    named = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q,
+             "seqused_kv": seqused_kv}
+    if device is not None:
+        for name, t in named.items():
+            check_device(t, name, device)
+    else:
+        devices = {t.device for t in named.values() if isinstance(t, torch.Tensor)}
+        if len(devices) > 1:
+            raise ValueError(f"cu_seqlens and seqused tensors must share one device, got {sorted(map(str, devices))}")
+    if layout == "TND":
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError("layout 'TND' needs cu_seqlens_q and cu_seqlens_kv (int32, B+1, leading 0)")
+        cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")
+        if cu_q.dim() != 1 or cu_q.numel() < 2:
+            raise ValueError(f"cu_seqlens_q must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_q.shape)}")
+        batch = cu_q.numel() - 1
+        check_int32_vector(cu_q, "cu_seqlens_q", batch + 1)
+        check_int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
+    else:
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            if named[name] is not None:
+                raise ValueError(f"{name} is only for layout 'TND'; got it with layout {layout!r}")
+        for name in ("seqused_q", "seqused_kv"):
+            if named[name] is not None and batch is None:
+                t = require_tensor(named[name], name)
+                batch = t.shape[0] if t.dim() == 1 else None
+    if max_batch is not None and batch is not None and not 0 < batch <= max_batch:
+        raise ValueError(f"batch size B must be in [1, {max_batch}], got {batch}")
+    for name in ("seqused_q", "seqused_kv"):
+        if named[name] is not None:
+            check_int32_vector(named[name], name, batch)
+    return batch
+
+
+def cumulative_lengths(cu: list[int], name: str, total: int) -> list[int]:
+    """Per-sequence lengths from the values of a cu_seqlens (leading 0, non-decreasing, ending
+    at the tensor's token count ``total``)."""
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start with 0, got {cu[0]}")
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"{name} must be non-decreasing, got {cu}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the token count {total} of the tensor, got {cu[-1]}")
+    return lens
+
+
+def apply_seqused(lens: list[int], seqused, name: str) -> list[int]:
+    """The used lengths: ``seqused``'s values (a host read), each within its sequence's length."""
+    if seqused is None:
+        return lens
+    used = int32_vector(seqused, name, len(lens))
+    for b, (u, n) in enumerate(zip(used, lens)):
+        if not 0 <= u <= n:
+            raise ValueError(f"{name}[{b}] must be in [0, {n}] (the sequence's length), got {u}")
+    return used

@@ -8,11 +8,10 @@ so memory stays bounded. It takes float BNSD tensors (GQA by head counts), like 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from qfa.attention import rotation
+from qfa.tiling.spec import default_softmax_scale
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -39,7 +38,7 @@ def fp8_e4m3_attention(
     """
     B, Nq, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scale = default_softmax_scale(D) if scale is None else scale
     if smooth_k:
         k = k.float() - k.float().mean(dim=2, keepdim=True)
     if rotate:

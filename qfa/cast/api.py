@@ -9,9 +9,7 @@ import torch
 from qfa import backends
 from qfa.cast import format as fmt
 from qfa.cast import luts, torch_path
-
-ENCODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DECODE_DTYPES = ENCODE_DTYPES
+from qfa.tiling.spec import FLOAT_DTYPES
 
 
 def hifloat8_dtypes() -> tuple[torch.dtype, ...]:
@@ -46,7 +44,7 @@ def encode_to_hifloat8(x: torch.Tensor, *, overflow: str = "saturate", backend: 
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in ENCODE_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         hint = " (round it to float32 yourself: a silent fp64->fp32 cast could double-round)" if x.dtype == torch.float64 else ""
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}{hint}")
     _check_overflow(overflow)
@@ -72,7 +70,7 @@ def decode_from_hifloat8(y: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *
     +-Inf.
     """
     codes = as_codes(y, "y")
-    if dtype not in DECODE_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
     chosen = backends.resolve(codes.device, backend)
     if codes.numel() == 0:

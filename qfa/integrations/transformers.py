@@ -150,14 +150,14 @@ def _run_padded(fn, query, key, value, valid, is_causal, scaling, options):
     q_t = query.transpose(1, 2)[rows]  # (Tq, Nq, D), batch-major, ascending positions
     k_t = key.transpose(1, 2)[keys]
     v_t = value.transpose(1, 2)[keys]
-    o_t = fn(q_t, k_t, v_t, is_causal=is_causal, scale=scaling, layout="TND",
+    o_t = fn(q_t, k_t, v_t, is_causal=is_causal, softmax_scale=scaling, layout="TND",
              cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **options)
     out[rows] = o_t.to(out.dtype)
     return out
 
 
 def _default_attention_fn():
-    from qfa.attention.dropin import hif8_attention
+    from qfa.attention import hif8_attention
 
     return hif8_attention
 
@@ -211,7 +211,7 @@ def make_attention_function(
         if attention_mask is not None and (attention_mask.shape[1] != key.shape[2] or not bool(attention_mask.all())):
             out = _run_padded(fn, query, key, value, attention_mask, bool(is_causal), scaling, options)
         else:
-            out = fn(query, key, value, is_causal=bool(is_causal), scale=scaling, layout="BNSD", **options)
+            out = fn(query, key, value, is_causal=bool(is_causal), softmax_scale=scaling, layout="BNSD", **options)
             out = out.transpose(1, 2).contiguous()
         return out, None
 
@@ -247,7 +247,7 @@ def register(name: str = "qfa_hif8", *, fallback: str | None = None, attention_f
 # --------------------------------------------------------------------------------------------
 
 
-def fp8_e4m3_adapter(q, k, v, *, is_causal: bool = False, scale: float | None = None, layout: str = "BNSD",
+def fp8_e4m3_adapter(q, k, v, *, is_causal: bool = False, softmax_scale: float | None = None, layout: str = "BNSD",
                      cu_seqlens_q=None, cu_seqlens_kv=None, smooth_k: bool = True, rotate: bool = False) -> torch.Tensor:
     """:func:`qfa.attention.fp8_emulation.fp8_e4m3_attention` with :func:`qfa.hif8_attention`'s
     calling convention, so the same plumbing runs it: BNSD, or TND with ``cu_seqlens``.
@@ -261,7 +261,7 @@ def fp8_e4m3_adapter(q, k, v, *, is_causal: bool = False, scale: float | None = 
     from qfa.attention.fp8_emulation import fp8_e4m3_attention
 
     if layout == "BNSD":
-        return fp8_e4m3_attention(q, k, v, is_causal=is_causal, scale=scale, smooth_k=smooth_k,
+        return fp8_e4m3_attention(q, k, v, is_causal=is_causal, scale=softmax_scale, smooth_k=smooth_k,
                                   rotate=rotate).to(q.dtype)
     if layout != "TND":
         raise ValueError(f"layout must be 'BNSD' or 'TND', got {layout!r}")
@@ -272,7 +272,7 @@ def fp8_e4m3_adapter(q, k, v, *, is_causal: bool = False, scale: float | None = 
             continue
         seq = [t[a:b].transpose(0, 1)[None] for t, a, b in
                ((q, cq[i], cq[i + 1]), (k, ckv[i], ckv[i + 1]), (v, ckv[i], ckv[i + 1]))]
-        o = fp8_e4m3_attention(*seq, is_causal=is_causal, scale=scale, smooth_k=smooth_k, rotate=rotate)
+        o = fp8_e4m3_attention(*seq, is_causal=is_causal, scale=softmax_scale, smooth_k=smooth_k, rotate=rotate)
         out[cq[i]:cq[i + 1]] = o[0].transpose(0, 1).to(q.dtype)
     return out
 

@@ -53,7 +53,7 @@ def _timed(fn):
 
 
 def attention_rows(q, k, v) -> tuple[list[list[str]], dict[str, float]]:
-    from qfa.attention.dropin import hif8_attention
+    from qfa.attention import hif8_attention
     from qfa.attention.fp8_emulation import fp8_e4m3_attention
 
     exact, t_exact = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))

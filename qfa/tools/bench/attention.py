@@ -133,7 +133,7 @@ def peak_memory(seq: int, backend: str) -> dict:
 
 
 def accuracy_rows(seq: int) -> list[list[str]]:
-    from qfa.attention.dropin import hif8_attention
+    from qfa.attention import hif8_attention
     from qfa.attention.fp8_emulation import fp8_e4m3_attention
     from qfa.tools.workloads import llm_like_qkv, uniform_qkv
 

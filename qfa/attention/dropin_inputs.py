@@ -1,0 +1,86 @@
+"""The drop-in's argument checks on float inputs, before any work on them.
+
+The rules the drop-in shares with ``quant_flash_attn`` (shapes, per-sequence lengths, devices,
+softmax_scale, p_scale) are the op's own, from ``qfa.tiling``: the same mistake gets the same
+message from both. What is the drop-in's alone (float dtypes, the per-tensor scales, the
+calibration rule) is here. Nothing reads a tensor's value, so ``torch.compile`` traces it all.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from qfa.attention import calibration as cal
+from qfa.tiling import checks
+from qfa.tiling.attention import MAX_BATCH, check_shapes
+
+
+def check_qkv(q, k, v, layout: str, cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None,
+              seqused_kv=None) -> int:
+    """Float q, k, v of one dtype on one device, the op's shape and length rules; returns B."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        checks.check_float_tensor(t, name)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    checks.check_device(k, "k", q.device)
+    checks.check_device(v, "v", q.device)
+    check_shapes(q, k, v, layout)
+    return checks.check_sequence_lengths(layout, batch=None if layout == "TND" else q.shape[0], device=q.device,
+                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                                         seqused_q=seqused_q, seqused_kv=seqused_kv, max_batch=MAX_BATCH)
+
+
+def softmax_scale_value(softmax_scale) -> Optional[float]:
+    """``softmax_scale`` as a float (None stays None: the op's default 1/sqrt(D) applies)."""
+    return None if softmax_scale is None else checks.check_positive_float(softmax_scale, "softmax_scale")
+
+
+def p_scale_tensor(p_scale, device: torch.device) -> Optional[torch.Tensor]:
+    """``p_scale`` as the op takes it: None, or an fp32 (1,) tensor (a number is put in one)."""
+    if p_scale is None:
+        return None
+    if isinstance(p_scale, torch.Tensor):
+        checks.check_device(p_scale, "p_scale", device)
+        return checks.check_scalar_fp32(p_scale, "p_scale")  # its value is the op's to check
+    if isinstance(p_scale, bool) or not isinstance(p_scale, (int, float)):
+        raise TypeError(f"p_scale must be None, a float or an fp32 tensor of shape (1,), got {type(p_scale).__name__}")
+    checks.check_p_scale_value(float(p_scale))
+    return torch.full((1,), float(p_scale), dtype=torch.float32, device=device)
+
+
+def scale_tensor(s, name: str, device: torch.device) -> Optional[torch.Tensor]:
+    """A static per-tensor scale as an fp32 (1,) tensor; a tensor's value is checked later, in
+    the computation (``calibration.check_scale``), where reading it costs no graph break."""
+    if s is None:
+        return None
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1 or not s.is_floating_point():
+            raise ValueError(f"{name} must be a float or a floating tensor with one element, got {s.dtype} {tuple(s.shape)}")
+        return s.reshape(1).to(device=device, dtype=torch.float32)
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"{name} must be None, a float or an fp32 tensor of shape (1,), got {type(s).__name__}")
+    return cal.check_scale(s, name, device)
+
+
+def static_scales(scales: Optional[Sequence], device: torch.device) -> tuple[Optional[torch.Tensor], ...]:
+    """``scales=(q_scale, k_scale, v_scale)`` as three fp32 (1,) tensors or None (computed)."""
+    if scales is None:
+        return (None, None, None)
+    if not isinstance(scales, (tuple, list)) or len(scales) != 3:
+        raise TypeError(f"scales must be a tuple (q_scale, k_scale, v_scale); each may be None (computed), got {_describe(scales)}")
+    return tuple(scale_tensor(s, n, device) for s, n in zip(scales, ("q_scale", "k_scale", "v_scale")))
+
+
+def _describe(value) -> str:
+    size = f" of length {len(value)}" if isinstance(value, (tuple, list)) else ""
+    return f"{type(value).__name__}{size}"
+
+
+def check_calibration(calibration: cal.RuleLike | None) -> cal.RuleLike:
+    """A registered rule's name or a callable (None: the default rule); unknown names fail here."""
+    if calibration is None:
+        return cal.DEFAULT_RULE
+    cal.get_rule(calibration)  # ValueError for an unknown name, TypeError for anything else
+    return calibration
