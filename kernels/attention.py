@@ -37,7 +37,6 @@ running sum ``l`` is exactly 0, never when it is NaN.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,7 @@ import triton.language as tl
 
 from qfa.cast import luts
 from qfa.kernels.hif8 import hif8_decode, hif8_round_sat
-from qfa.tiling.attention import AttentionPlan, normalised_strides
+from qfa.tiling.attention import AttentionPlan
 from qfa.tiling.platform import platform_for
 
 
@@ -202,15 +201,6 @@ def launch_options(device: torch.device) -> LaunchOptions:
     return LAUNCH.get(platform_for(device).name, _DEFAULT_LAUNCH)
 
 
-def _rows_per_batch(plan: AttentionPlan, total_q: int) -> list[int]:
-    """Rows of out / lse each batch owns: the padded Sq, or for TND its cu_seqlens segment
-    (seqused_q may leave rows of the segment unused; they are written as 0 / +inf)."""
-    if plan.layout != "TND":
-        return [plan.seq_q] * plan.batch
-    ends = list(plan.q_starts[1:]) + [total_q]
-    return [end - start for start, end in zip(plan.q_starts, ends)]
-
-
 def forward(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
@@ -218,44 +208,27 @@ def forward(
     """Run ``plan`` on HiF8 codes (uint8) q, k, v; returns (out bf16 in q's layout, lse fp32 or empty).
 
     Outputs are allocated filled with NaN, so an element the kernel fails to write shows up
-    (a memset, small next to the attention itself).
+    (a memset, small next to the attention itself). Everything the launch needs comes from the
+    plan: shapes, strides, the per-batch length table (uploaded once per plan) and the scalars.
     """
-    device = q.device
-    total_q = q.shape[0] if plan.layout == "TND" else 0
-    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=device)
-    if plan.return_lse:
-        lse_shape = (plan.heads_q, total_q) if plan.layout == "TND" else (plan.batch, plan.heads_q, plan.seq_q)
-        lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device=device)
-    else:
-        lse = torch.empty(0, device=device)
+    out, lse = plan.new_outputs()
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
     if out.numel() == 0:
         return out, lse
-
-    rows = _rows_per_batch(plan, total_q)
-    seq = torch.tensor(
-        [plan.q_starts, plan.kv_starts, plan.q_lens, plan.kv_lens, rows], dtype=torch.int32
-    ).to(device)
-    # dScale exactly as the torch path forms it (same device ops, same fp32 bits).
-    dscale = (q_descale * k_descale) * plan.softmax_scale
-    ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=device)
-    scalars = torch.cat([dscale, ln_p, v_descale]).to(torch.float32)
-    lut = luts.decode_lut(torch.float16, device)
-
-    if plan.return_lse:
-        lse_strides = (0, total_q, 1) if plan.layout == "TND" else (plan.heads_q * plan.seq_q, plan.seq_q, 1)
-    else:
-        lse_strides = (0, 0, 0)
-    n_tiles = math.ceil(max(rows, default=0) / plan.block_m)
-    opts = launch_options(device)
+    scalars = plan.scalars(q_descale, k_descale, v_descale, p_scale)
+    lut = luts.decode_lut(torch.float16, plan.device)
+    opts = launch_options(plan.device)
     extra = {}
     if opts.num_warps is not None:
         extra["num_warps"] = opts.num_warps
     if opts.num_stages is not None:
         extra["num_stages"] = opts.num_stages
     _attention_kernel[plan.grid](
-        q, k, v, out.view(torch.int16), lse if plan.return_lse else out, lut, scalars, seq,
-        plan.batch, plan.heads_q, plan.group, n_tiles,
-        *plan.strides_q, *plan.strides_kv, *plan.strides_v, *normalised_strides(out, plan.layout), *lse_strides,
+        q, k, v, out.view(torch.int16), lse if plan.return_lse else out, lut, scalars, plan.seq_table,
+        plan.batch, plan.heads_q, plan.group, plan.n_tiles,
+        *plan.strides_q, *plan.strides_kv, *plan.strides_v, *plan.out_strides,
+        *(plan.lse_strides if plan.return_lse else (0, 0, 0)),
         BLOCK_M=plan.block_m, SUB_M=min(opts.sub_m, plan.block_m), BLOCK_N=plan.block_n, HEAD_DIM=plan.head_dim,
         CAUSAL=plan.causal, RETURN_LSE=plan.return_lse,
         **extra,

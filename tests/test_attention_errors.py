@@ -146,21 +146,33 @@ def test_p_scale(bad, error, match):
 
 # --- quant_mode, layout, mask_mode, softmax_scale, backend -----------------------------------------
 
-@pytest.mark.parametrize("mode", [1, 2, 6, 8, -1, True, "7", None, 7.5])
+@pytest.mark.parametrize("mode", [1, 2, 6, 8, -1])
 def test_quant_mode(mode):
-    with pytest.raises(ValueError, match=r"^quant_mode must be 7 \(HiF8 per-tensor; 0 is its alias\), got "):
+    with pytest.raises(ValueError, match=r"^quant_mode must be 0 \(HiF8 per-tensor; 7 is its older number\), got "):
         call(good_bnsd() + [mode])
 
 
-@pytest.mark.parametrize("layout", ["bnsd", "BSH", "SBH", "NTD", "TH", "", None])
+@pytest.mark.parametrize("mode", [True, "7", None, 7.0, 0.0])
+def test_quant_mode_type(mode):
+    with pytest.raises(TypeError, match=r"^quant_mode must be an int or qfa's QuantMode, got "):
+        call(good_bnsd() + [mode])
+
+
+@pytest.mark.parametrize("layout", ["bnsd", "BSH", "SBH", "NTD", "TH", "", 0])
 def test_layout(layout):
     with pytest.raises(ValueError, match=r"^layout must be one of \('BNSD', 'BSND', 'TND'\).*got " + repr(layout)):
         call(good_bnsd(), layout=layout)
 
 
-@pytest.mark.parametrize("mode", [1, 2, 4, 5, -1, None], ids=["1", "2", "4-sliding-window", "5", "-1", "None"])
+@pytest.mark.parametrize("mode", [1, 2, 4, 5, -1], ids=["1", "2", "4-sliding-window", "5", "-1"])
 def test_mask_mode(mode):
     with pytest.raises(ValueError, match=rf"^mask_mode must be 0 \(none\) or 3 \(causal\).*got {mode}"):
+        call(good_bnsd(), mask_mode=mode)
+
+
+@pytest.mark.parametrize("mode", [None, 3.0, True, "3"], ids=str)
+def test_mask_mode_type(mode):
+    with pytest.raises(TypeError, match=r"^mask_mode must be an int \(0 none, 3 causal\), got "):
         call(good_bnsd(), mask_mode=mode)
 
 
@@ -215,11 +227,14 @@ def test_backend_env_bogus(monkeypatch):
         call(good_bnsd(), backend=None)
 
 
-def test_paged_attention_and_sinks_rejected():
-    with pytest.raises(ValueError, match=r"^block_table \(paged attention\) is not supported in quant_mode 7"):
+def test_paged_attention_sinks_and_windows_rejected():
+    with pytest.raises(ValueError, match=r"^block_table: paged KV is not supported in the HiF8 mode yet"):
         call(good_bnsd(), block_table=torch.zeros(B, 4, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"^sinks \(learnable softmax sinks\) are not supported in quant_mode 7"):
+    with pytest.raises(ValueError, match=r"^sinks: attention sinks are not supported"):
         call(good_bnsd(), sinks=torch.zeros(NQ))
+    for name in ("win_left", "win_right"):
+        with pytest.raises(ValueError, match=rf"^{name} must be -1: sliding windows are not supported"):
+            call(good_bnsd(), **{name: 16})
 
 
 # --- shapes: ndim, D, heads, batch, k vs v ---------------------------------------------------------

@@ -1,23 +1,40 @@
-"""Host tiling for QuantFlashAttn, HiF8 per-tensor (quant_mode 7).
+"""Host tiling for QuantFlashAttn, HiF8 per-tensor (quant_mode 0; 7 is its older number).
 
 Every check of the op's spec runs here, once, before any backend: a bad argument raises a
 ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong value or shape) naming the argument,
-what was expected and what was given. The :class:`AttentionPlan` returned is all that the torch
-path and the Triton kernel consume; neither re-derives shapes, lengths or block sizes.
+what was expected and what was given.
+
+Planning has two halves, as upstream's ``quant_flash_attn_metadata`` / ``quant_flash_attn`` and
+FlashInfer's plan / run split have:
+
+* :func:`plan_metadata` -> :class:`AttentionMetadata`: what depends on the call's *values* (the
+  per-batch lengths read from ``cu_seqlens`` / ``seqused``, a host read) and on its static
+  arguments (heads, layouts, mask). Made once, reused for every layer of a forward pass.
+* :func:`bind` -> :class:`AttentionPlan`: the metadata applied to concrete tensors: shapes,
+  strides, output and LSE geometry, tiles and grid. Pure host arithmetic on shapes (no device
+  synchronisation), cached in the metadata per tensor geometry, so a repeated call reuses the
+  same plan object (and its device-side length table).
+
+:func:`plan_attention` does both for a one-off call. The :class:`AttentionPlan` is all that the
+torch path and the Triton kernel consume; neither re-derives shapes, lengths or block sizes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from qfa.cast.api import as_codes
+from qfa.tiling.checks import check_bool, check_int32_vector, check_scalar_fp32, int32_vector, require_tensor
 from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
-from qfa.tiling.checks import check_scalar_fp32, int32_vector, require_tensor
 
 LAYOUTS = ("BNSD", "BSND", "TND")
+#: ``layout_q_descale`` of the HiF8 mode: a per-tensor scale has no layout; upstream names it so.
+Q_DESCALE_LAYOUTS = ("BSND",)
 #: Keys per softmax block: it changes the numbers (P is quantised relative to the running max).
 BLOCK_N = 256
 #: Query rows per kernel program (upstream's tile); it does not change the numbers.
@@ -29,84 +46,115 @@ BLOCK_M = 128
 #: Like BLOCK_M, it does not change the numbers.
 TORCH_TILE_SCORE_ROWS = 2048
 TORCH_TILE_MIN_POSITIONS = 512
-MASK_MODES = {0: "none", 3: "causal (bottom-right aligned)"}
+MASK_MODES = {MaskMode.NONE: "none", MaskMode.CAUSAL: "causal (bottom-right aligned)"}
 CAUSAL_MASK_SHAPE = (2048, 2048)
 MAX_HEADS = 256
 MAX_GROUP = 64
 MAX_BATCH = 65535
+#: Query tiles one sequence may have along the grid's second axis (CUDA's limit there).
+MAX_QUERY_TILES = 65535
 
 # Positions of (batch, seq, head, dim) in each layout's shape; TND has no batch axis.
 _AXES = {"BNSD": {"b": 0, "n": 1, "s": 2, "d": 3}, "BSND": {"b": 0, "s": 1, "n": 2, "d": 3}, "TND": {"s": 0, "n": 1, "d": 2}}
+#: Arguments that upstream has and this mode does not support yet: (name, value meaning "unused").
+_UNSUPPORTED = {
+    "block_table": "paged KV is not supported in the HiF8 mode yet; pass contiguous k/v",
+    "sinks": "attention sinks are not supported (upstream rejects them too)",
+}
 
 
-@dataclass(frozen=True)
-class AttentionPlan:
-    """What both backends run: layout-normalised geometry, per-batch lengths and blocks.
+# ============================================================================ small checks
 
-    Sequences are addressed as (batch, head, position, dim) with element ``strides_*`` into the
-    original tensors; ``q_starts[b]`` / ``kv_starts[b]`` are the first position of batch ``b``
-    (non-zero only for TND, where the batch axis is folded into the token axis).
-    """
-
-    layout: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    seq_q: int  # padded length of the normalised (B, N, S, D) view
-    seq_kv: int
-    q_starts: tuple[int, ...]
-    kv_starts: tuple[int, ...]
-    q_lens: tuple[int, ...]  # actual lengths (seqused applied)
-    kv_lens: tuple[int, ...]
-    strides_q: tuple[int, int, int, int]  # (batch, head, position, dim)
-    strides_kv: tuple[int, int, int, int]  # of k
-    strides_v: tuple[int, int, int, int]  # of v: same shape as k, but it may be a different view
-    causal: bool
-    softmax_scale: float
-    return_lse: bool
-    block_m: int
-    block_n: int
-    grid: tuple[int, int]  # (batch * q heads, query tiles), or a persistent grid
-    persistent: bool
-    tiling_key: str
-    #: Query positions per tile of the torch path (CPU): see :func:`torch_tile_rows`.
-    torch_rows: int
-
-    @property
-    def group(self) -> int:
-        """q heads per kv head (GQA): kv head of q head h is h // group."""
-        return self.heads_q // self.heads_kv
-
-    @property
-    def uniform(self) -> bool:
-        """All batches use the full padded lengths (no per-batch masking needed)."""
-        return set(self.q_lens) == {self.seq_q} and set(self.kv_lens) == {self.seq_kv}
-
-    @property
-    def causal_offsets(self) -> tuple[int, ...]:
-        """Bottom-right alignment: query i of batch b sees key j iff j <= i + offset[b]."""
-        return tuple(kv - q for q, kv in zip(self.q_lens, self.kv_lens))
+def check_quant_mode(quant_mode) -> QuantMode:
+    """The HiF8 per-tensor mode, from 0, ``QuantMode.HIF8_PER_TENSOR`` or the legacy 7."""
+    if isinstance(quant_mode, bool) or not isinstance(quant_mode, int):
+        raise TypeError(f"quant_mode must be an int or qfa's QuantMode, got {type(quant_mode).__name__} {quant_mode!r}")
+    if quant_mode in LEGACY_QUANT_MODES:
+        return LEGACY_QUANT_MODES[quant_mode]
+    if quant_mode != QuantMode.HIF8_PER_TENSOR:
+        raise ValueError(f"quant_mode must be 0 (HiF8 per-tensor; 7 is its older number), got {quant_mode!r}")
+    return QuantMode.HIF8_PER_TENSOR
 
 
-def _lengths_from_cu(cu: list[int], name: str, total: int) -> list[int]:
+def check_mask_mode(mask_mode) -> MaskMode:
+    if isinstance(mask_mode, bool) or not isinstance(mask_mode, int):
+        raise TypeError(f"mask_mode must be an int (0 none, 3 causal), got {type(mask_mode).__name__} {mask_mode!r}")
+    if mask_mode not in MASK_MODES:
+        raise ValueError(f"mask_mode must be 0 (none) or 3 (causal) in the HiF8 mode, got {mask_mode!r}")
+    return MaskMode(mask_mode)
+
+
+def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale="BSND") -> str:
+    """The one layout the HiF8 mode runs. ``layout`` is shorthand for all three per-operand
+    layouts; an operand layout left None is qfa's default ``"BNSD"``; the three must agree."""
+    per_operand = {"layout_q": layout_q, "layout_kv": layout_kv, "layout_out": layout_out}
+    for name, value in {"layout": layout, **per_operand}.items():
+        if value is not None and value not in LAYOUTS:
+            raise ValueError(f"{name} must be one of {LAYOUTS}, got {value!r}")
+    if layout is not None:
+        clash = {n: v for n, v in per_operand.items() if v is not None and v != layout}
+        if clash:
+            raise ValueError(f"layout={layout!r} sets layout_q, layout_kv and layout_out; it contradicts {clash}")
+        chosen = layout
+    else:
+        resolved = {n: "BNSD" if v is None else v for n, v in per_operand.items()}
+        if len(set(resolved.values())) != 1:
+            raise ValueError(f"layout_q, layout_kv and layout_out must be equal in the HiF8 mode (unset ones are "
+                             f"'BNSD'), got {resolved}")
+        chosen = resolved["layout_q"]
+    if layout_q_descale not in Q_DESCALE_LAYOUTS:
+        raise ValueError(f"layout_q_descale must be 'BSND' in the HiF8 mode (a per-tensor descale), "
+                         f"got {layout_q_descale!r}")
+    return chosen
+
+
+def check_softmax_scale(softmax_scale) -> float:
+    if softmax_scale is None:
+        return default_softmax_scale(HEAD_DIM)
+    if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_max_seqlen(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (-1: not given), got {type(value).__name__} {value!r}")
+    if value != -1 and value < 0:
+        raise ValueError(f"{name} must be -1 (not given) or >= 0, got {value}")
+    return value
+
+
+def check_unsupported(win_left, win_right, **tensors) -> None:
+    for name, value in tensors.items():
+        if value is not None:
+            raise ValueError(f"{name}: {_UNSUPPORTED[name]}")
+    for name, value in (("win_left", win_left), ("win_right", win_right)):
+        if value != -1:
+            raise ValueError(f"{name} must be -1: sliding windows are not supported in the HiF8 mode, got {value!r}")
+
+
+def _lengths_from_cu(cu: list[int], name: str, total: int | None) -> list[int]:
     if cu[0] != 0:
         raise ValueError(f"{name} must start with 0, got {cu[0]}")
     lens = [b - a for a, b in zip(cu, cu[1:])]
     if any(n < 0 for n in lens):
         raise ValueError(f"{name} must be non-decreasing, got {cu}")
-    if cu[-1] != total:
+    if total is not None and cu[-1] != total:
         raise ValueError(f"{name}[-1] must equal the token count {total} of the tensor, got {cu[-1]}")
     return lens
 
 
-def _apply_seqused(lens: list[int], seqused, name: str, batch: int) -> list[int]:
-    if seqused is None:
+def _apply_seqused(lens: list[int] | None, used: list[int] | None, name: str) -> list[int] | None:
+    if used is None:
         return lens
-    used = int32_vector(seqused, name, batch)
-    for b, (u, n) in enumerate(zip(used, lens)):
-        if not 0 <= u <= n:
-            raise ValueError(f"{name}[{b}] must be in [0, {n}] (the sequence's length), got {u}")
+    if lens is not None:
+        for b, (u, n) in enumerate(zip(used, lens)):
+            if not 0 <= u <= n:
+                raise ValueError(f"{name}[{b}] must be in [0, {n}] (the sequence's length), got {u}")
+    elif any(u < 0 for u in used):
+        raise ValueError(f"{name} must hold lengths >= 0, got {used}")
     return used
 
 
@@ -133,6 +181,24 @@ def normalised_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int
     return (batch_stride, t.stride(axes["n"]), t.stride(axes["s"]), t.stride(axes["d"]))
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def check_heads(nq: int, nkv: int) -> None:
+    for n, name in ((nq, "q"), (nkv, "k/v")):
+        if not 1 <= n <= MAX_HEADS:
+            raise ValueError(f"head count of {name} must be in [1, {MAX_HEADS}], got {n}")
+    if nq < nkv or nq % nkv:
+        raise ValueError(f"q heads must be a multiple of k/v heads (GQA), got Nq={nq}, Nkv={nkv}")
+    if nq // nkv > MAX_GROUP:
+        raise ValueError(f"GQA group Nq/Nkv must be <= {MAX_GROUP}, got {nq // nkv}")
+
+
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[dict, dict]:
     """The op's static shape rules: rank per layout, D = 128, k and v alike, head counts, GQA,
     one batch size. Shared with the drop-in, which checks float q/k/v before quantising them.
@@ -145,14 +211,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str)
     for shape, name in ((qs, "q"), (ks, "k"), (vs, "v")):
         if shape["d"] != HEAD_DIM:
             raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
-    nq, nkv = qs["n"], ks["n"]
-    for n, name in ((nq, "q"), (nkv, "k/v")):
-        if not 1 <= n <= MAX_HEADS:
-            raise ValueError(f"head count of {name} must be in [1, {MAX_HEADS}], got {n}")
-    if nq < nkv or nq % nkv:
-        raise ValueError(f"q heads must be a multiple of k/v heads (GQA), got Nq={nq}, Nkv={nkv}")
-    if nq // nkv > MAX_GROUP:
-        raise ValueError(f"GQA group Nq/Nkv must be <= {MAX_GROUP}, got {nq // nkv}")
+    check_heads(qs["n"], ks["n"])
     if layout != "TND":
         for shape, name in ((ks, "k"), (vs, "v")):
             if shape["b"] != qs["b"]:
@@ -160,98 +219,240 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str)
     return qs, ks
 
 
-def plan_attention(
-    q, k, v, q_descale, k_descale, v_descale, quant_mode, *, p_scale, layout, cu_seqlens_q, cu_seqlens_kv,
-    seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse, block_table=None, sinks=None,
-) -> AttentionPlan:
-    """Validate one quant_flash_attn call against the spec and derive its plan."""
-    q, k, v = (require_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        as_codes(t, name)
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share one HiF8 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if isinstance(quant_mode, bool) or quant_mode not in (QuantMode.HIF8_PER_TENSOR, *LEGACY_QUANT_MODES):
-        raise ValueError(f"quant_mode must be 7 (HiF8 per-tensor; 0 is its alias), got {quant_mode!r}")
-    for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):
-        check_scalar_fp32(t, name)
-    if p_scale is not None:
-        check_scalar_fp32(p_scale, "p_scale")
-        p_value = float(p_scale.item()) if p_scale.device.type != "meta" else 1.0
-        if not (math.isfinite(p_value) and p_value > 0):
-            raise ValueError(f"p_scale must be a finite value > 0 (it enters as -ln(p_scale)), got {p_value}")
-    if block_table is not None:
-        raise ValueError("block_table (paged attention) is not supported in quant_mode 7; pass contiguous k/v")
-    if sinks is not None:
-        raise ValueError("sinks (learnable softmax sinks) are not supported in quant_mode 7")
-    device = q.device
-    for t, name in ((k, "k"), (v, "v"), (q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"),
-                    (p_scale, "p_scale"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_kv, "cu_seqlens_kv"),
-                    (seqused_q, "seqused_q"), (seqused_kv, "seqused_kv"), (attn_mask, "attn_mask")):
+def _check_attn_mask(attn_mask, mask_mode: MaskMode) -> None:
+    if attn_mask is None:
+        return
+    if mask_mode == MaskMode.NONE:
+        raise ValueError("attn_mask must be None with mask_mode 0 (no mask)")
+    require_tensor(attn_mask, "attn_mask")
+    expected = f"int8 {list(CAUSAL_MASK_SHAPE)} (the compressed causal mask)"
+    if attn_mask.dtype != torch.int8:  # a dtype error is a TypeError, as everywhere else here
+        raise TypeError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
+    if tuple(attn_mask.shape) != CAUSAL_MASK_SHAPE:
+        raise ValueError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
+
+
+def check_devices(device: torch.device, named: dict) -> None:
+    for name, t in named.items():
         if isinstance(t, torch.Tensor) and t.device != device:
             raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
 
-    qs, ks = check_shapes(q, k, v, layout)
-    nq, nkv = qs["n"], ks["n"]
+
+# ============================================================================ metadata
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """The tensor-independent half of a plan: what :func:`qfa.quant_flash_attn_metadata` returns.
+
+    ``q_lens`` / ``kv_lens`` are the per-batch used lengths when the metadata call knew them
+    (TND's ``cu_seqlens``, or ``seqused``); None means "the tensors' full sequence length",
+    filled in when the metadata is bound to tensors. ``q_starts`` / ``kv_starts`` are TND's
+    segment starts (None otherwise), ``total_q`` / ``total_kv`` its token counts.
+    """
+
+    quant_mode: QuantMode
+    layout: str
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    mask_mode: MaskMode
+    batch: int | None
+    q_lens: tuple[int, ...] | None
+    kv_lens: tuple[int, ...] | None
+    q_starts: tuple[int, ...] | None
+    kv_starts: tuple[int, ...] | None
+    total_q: int | None
+    total_kv: int | None
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    device: torch.device | None
+    #: The (dtype, shape) of each length tensor it was planned with; a run must pass alike ones.
+    length_args: tuple = ()
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    @property
+    def causal(self) -> bool:
+        return self.mask_mode == MaskMode.CAUSAL
+
+
+def _length_signature(**tensors) -> tuple:
+    return tuple((name, None if t is None else (t.dtype, tuple(t.shape))) for name, t in sorted(tensors.items()))
+
+
+def plan_metadata(
+    num_heads_q: int, num_heads_kv: int, head_dim: int = HEAD_DIM, quant_mode=QuantMode.HIF8_PER_TENSOR, *,
+    cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None, batch_size=None,
+    max_seqlen_q: int = -1, max_seqlen_kv: int = -1, head_dim_v=None, mask_mode=MaskMode.NONE,
+    win_left: int = -1, win_right: int = -1, layout: str = "BNSD", layout_q_descale: str = "BSND",
+    is_grad_enabled: bool = False, total_q: int | None = None, total_kv: int | None = None,
+) -> AttentionMetadata:
+    """Validate the tensor-independent arguments and read the per-batch lengths (a host read of
+    ``cu_seqlens`` / ``seqused``: the one device synchronisation of a plan, paid here once).
+
+    ``total_q`` / ``total_kv``, the tensors' sequence lengths when known (TND: token counts,
+    checked against ``cu_seqlens[-1]``; otherwise the padded S, which bounds ``seqused``), are
+    checked here when given and by :func:`bind` otherwise.
+    """
+    quant_mode = check_quant_mode(quant_mode)
+    mask_mode = check_mask_mode(mask_mode)
+    for value, name in ((num_heads_q, "num_heads_q"), (num_heads_kv, "num_heads_kv"), (head_dim, "head_dim")):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    check_heads(num_heads_q, num_heads_kv)
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"head_dim must be {HEAD_DIM} in the HiF8 mode, got {head_dim}")
+    if head_dim_v is not None and head_dim_v != head_dim:
+        raise ValueError(f"head_dim_v must be None or equal head_dim ({head_dim}) in the HiF8 mode, got {head_dim_v!r}")
+    if check_bool(is_grad_enabled, "is_grad_enabled"):
+        raise ValueError("is_grad_enabled must be False: qfa's quant_flash_attn is forward-only")
+    check_unsupported(win_left, win_right)
+    max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_kv = _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    resolve_layouts(layout, None, None, None, layout_q_descale)
+    named = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q,
+             "seqused_kv": seqused_kv}
+    devices = {t.device for t in named.values() if isinstance(t, torch.Tensor)}
 
     if layout == "TND":
+        if batch_size is not None:
+            raise ValueError("batch_size is not accepted with layout 'TND' (cu_seqlens_q gives the batch)")
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("layout 'TND' needs cu_seqlens_q and cu_seqlens_kv (int32, B+1, leading 0)")
         cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")
         if cu_q.dim() != 1 or cu_q.numel() < 2:
             raise ValueError(f"cu_seqlens_q must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_q.shape)}")
         batch = cu_q.numel() - 1
-        cu_q_list = int32_vector(cu_q, "cu_seqlens_q", batch + 1)
-        cu_kv_list = int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
-        q_lens = _lengths_from_cu(cu_q_list, "cu_seqlens_q", qs["s"])
-        kv_lens = _lengths_from_cu(cu_kv_list, "cu_seqlens_kv", ks["s"])
-        q_starts, kv_starts = tuple(cu_q_list[:-1]), tuple(cu_kv_list[:-1])
+        check_int32_vector(cu_q, "cu_seqlens_q", batch + 1)
+        check_int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
     else:
-        for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_kv, "cu_seqlens_kv")):
-            if t is not None:
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            if named[name] is not None:
                 raise ValueError(f"{name} is only for layout 'TND'; got it with layout {layout!r}")
-        batch = qs["b"]
-        q_lens, kv_lens = [qs["s"]] * batch, [ks["s"]] * batch
-        q_starts, kv_starts = (0,) * batch, (0,) * batch
-    if not 0 < batch <= MAX_BATCH:
+        batch = batch_size
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)):
+            raise TypeError(f"batch_size must be an int or None, got {type(batch).__name__} {batch!r}")
+        for t, name in ((seqused_q, "seqused_q"), (seqused_kv, "seqused_kv")):
+            if t is not None and batch is None:
+                require_tensor(t, name)
+                batch = t.shape[0] if t.dim() == 1 else None
+    if batch is not None and not 0 < batch <= MAX_BATCH:
         raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
-    q_lens = _apply_seqused(q_lens, seqused_q, "seqused_q", batch)
-    kv_lens = _apply_seqused(kv_lens, seqused_kv, "seqused_kv", batch)
+    for t, name in ((seqused_q, "seqused_q"), (seqused_kv, "seqused_kv")):
+        if t is not None:
+            check_int32_vector(t, name, batch)
+    if len(devices) > 1:
+        raise ValueError(f"cu_seqlens and seqused tensors must share one device, got {sorted(map(str, devices))}")
 
-    if mask_mode not in MASK_MODES:
-        raise ValueError(f"mask_mode must be 0 (none) or 3 (causal) in quant_mode 7, got {mask_mode!r}")
-    if attn_mask is not None:
-        if mask_mode == 0:
-            raise ValueError("attn_mask must be None with mask_mode 0 (no mask)")
-        require_tensor(attn_mask, "attn_mask")
-        expected = f"int8 {list(CAUSAL_MASK_SHAPE)} (the compressed causal mask)"
-        if attn_mask.dtype != torch.int8:  # a dtype error is a TypeError, as everywhere else here
-            raise TypeError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
-        if tuple(attn_mask.shape) != CAUSAL_MASK_SHAPE:
-            raise ValueError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(HEAD_DIM)
-    if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
-        raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
-
-    seq_q = qs["s"] if layout != "TND" else max(q_lens, default=0)
-    seq_kv = ks["s"] if layout != "TND" else max(kv_lens, default=0)
-    causal = mask_mode == 3
-    grid, persistent = _grid(batch * nq, math.ceil(max(seq_q, 1) / BLOCK_M), device)
-    key = "_".join([
-        "hif8pt", layout.lower(), f"d{HEAD_DIM}", "causal" if causal else "nomask",
-        f"gqa{nq // nkv}", f"bm{BLOCK_M}", f"bn{BLOCK_N}", "lse" if return_softmax_lse else "nolse",
-        "persistent" if persistent else "grid",
-    ])
-    return AttentionPlan(
-        layout=layout, batch=batch, heads_q=nq, heads_kv=nkv, head_dim=HEAD_DIM, seq_q=seq_q, seq_kv=seq_kv,
-        q_starts=q_starts, kv_starts=kv_starts, q_lens=tuple(q_lens), kv_lens=tuple(kv_lens),
-        strides_q=normalised_strides(q, layout), strides_kv=normalised_strides(k, layout),
-        strides_v=normalised_strides(v, layout), causal=causal,
-        softmax_scale=float(softmax_scale), return_lse=bool(return_softmax_lse), block_m=BLOCK_M, block_n=BLOCK_N,
-        grid=grid, persistent=persistent, tiling_key=key, torch_rows=torch_tile_rows(nq // nkv),
+    # The host reads, after every static check.
+    q_lens = kv_lens = q_starts = kv_starts = None
+    if layout == "TND":
+        cu_q_list = int32_vector(cu_seqlens_q, "cu_seqlens_q", batch + 1)
+        cu_kv_list = int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
+        q_lens = _lengths_from_cu(cu_q_list, "cu_seqlens_q", total_q)
+        kv_lens = _lengths_from_cu(cu_kv_list, "cu_seqlens_kv", total_kv)
+        q_starts, kv_starts = tuple(cu_q_list[:-1]), tuple(cu_kv_list[:-1])
+        total_q, total_kv = cu_q_list[-1], cu_kv_list[-1]
+    used_q = int32_vector(seqused_q, "seqused_q", batch) if seqused_q is not None else None
+    used_kv = int32_vector(seqused_kv, "seqused_kv", batch) if seqused_kv is not None else None
+    if layout != "TND":  # lengths are the tensors' (known here only through total_*) unless seqused
+        q_lens = [total_q] * batch if total_q is not None and batch else None
+        kv_lens = [total_kv] * batch if total_kv is not None and batch else None
+    q_lens = _apply_seqused(q_lens, used_q, "seqused_q")
+    kv_lens = _apply_seqused(kv_lens, used_kv, "seqused_kv")
+    if layout != "TND":
+        q_lens = q_lens if used_q is not None else None
+        kv_lens = kv_lens if used_kv is not None else None
+    for lens, bound, name in ((q_lens, max_seqlen_q, "max_seqlen_q"), (kv_lens, max_seqlen_kv, "max_seqlen_kv")):
+        if lens is not None and bound != -1 and max(lens, default=0) > bound:
+            raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
+    return AttentionMetadata(
+        quant_mode=quant_mode, layout=layout, heads_q=num_heads_q, heads_kv=num_heads_kv, head_dim=head_dim,
+        mask_mode=mask_mode, batch=batch, q_lens=None if q_lens is None else tuple(q_lens),
+        kv_lens=None if kv_lens is None else tuple(kv_lens), q_starts=q_starts, kv_starts=kv_starts,
+        total_q=total_q if layout == "TND" else None, total_kv=total_kv if layout == "TND" else None,
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        device=next(iter(devices)) if devices else None,
+        length_args=_length_signature(**named),
     )
+
+
+# ============================================================================ plan
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What both backends run: layout-normalised geometry, per-batch lengths, outputs and grid.
+
+    Sequences are addressed as (batch, head, position, dim) with element ``strides_*`` into the
+    original tensors (``normalised_strides``); ``q_starts[b]`` / ``kv_starts[b]`` are the first
+    position of batch ``b`` (non-zero only for TND, where the batch axis is folded into the
+    token axis). ``rows[b]`` are the rows of out / lse batch ``b`` owns (the padded Sq, or its
+    TND segment): rows past ``q_lens[b]`` are written as 0 / +inf.
+    """
+
+    meta: AttentionMetadata
+    layout: str
+    device: torch.device
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    seq_q: int  # padded length of the normalised (B, N, S, D) view
+    seq_kv: int
+    q_starts: tuple[int, ...]
+    kv_starts: tuple[int, ...]
+    q_lens: tuple[int, ...]  # actual lengths (seqused applied)
+    kv_lens: tuple[int, ...]
+    rows: tuple[int, ...]
+    strides_q: tuple[int, int, int, int]  # (batch, head, position, dim)
+    strides_kv: tuple[int, int, int, int]  # of k
+    strides_v: tuple[int, int, int, int]  # of v: same shape as k, but it may be a different view
+    out_shape: tuple[int, ...]  # bf16, contiguous, in the layout
+    out_strides: tuple[int, int, int, int]  # normalised, of the contiguous out
+    lse_shape: tuple[int, ...]
+    lse_strides: tuple[int, int, int]  # (batch, head, position) of the contiguous lse
+    causal: bool
+    softmax_scale: float
+    return_lse: bool
+    block_m: int
+    block_n: int
+    n_tiles: int  # query tiles of block_m rows per (batch, q head): ceil(max(rows) / block_m)
+    grid: tuple[int, int]  # (batch * q heads, query tiles), or a persistent grid
+    #: Query positions per tile of the torch path (CPU): see :func:`torch_tile_rows`.
+    torch_rows: int
+
+    @property
+    def group(self) -> int:
+        """q heads per kv head (GQA): kv head of q head h is h // group."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def causal_offsets(self) -> tuple[int, ...]:
+        """Bottom-right alignment: query i of batch b sees key j iff j <= i + offset[b]."""
+        return tuple(kv - q for q, kv in zip(self.q_lens, self.kv_lens))
+
+    @cached_property
+    def seq_table(self) -> torch.Tensor:
+        """int32 (5, B) on the device: q starts, kv starts, q lens, kv lens, rows (the kernel's).
+        Made once per plan, so a reused plan uploads nothing."""
+        table = [self.q_starts, self.kv_starts, self.q_lens, self.kv_lens, self.rows]
+        return torch.tensor(table, dtype=torch.int32).to(self.device)
+
+    def scalars(self, q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
+                p_scale: torch.Tensor | None) -> torch.Tensor:
+        """fp32 (3,) on the device: dScale = softmax_scale * q_descale * k_descale, ln p_scale,
+        v_descale. Device ops only (no host read); both backends take these same bits."""
+        dscale = (q_descale * k_descale) * self.softmax_scale
+        ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=dscale.device)
+        return torch.cat([dscale, ln_p, v_descale])
+
+    def new_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialised (out bf16, lse fp32 or an empty tensor) of the plan's shapes."""
+        out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
+        lse = torch.empty(self.lse_shape if self.return_lse else (0,), dtype=torch.float32, device=self.device)
+        return out, lse
 
 
 def torch_tile_rows(group: int) -> int:
@@ -259,8 +460,9 @@ def torch_tile_rows(group: int) -> int:
     return max(TORCH_TILE_MIN_POSITIONS, TORCH_TILE_SCORE_ROWS // group)
 
 
-def _grid(programs_bh: int, tiles_m: int, device: torch.device) -> tuple[tuple[int, int], bool]:
-    """(batch * heads, query tiles), or on NPU a persistent grid of one program per core.
+def _grid(programs_bh: int, tiles_m: int, device: torch.device) -> tuple[int, int]:
+    """(batch * heads, query tiles), or on NPU / the interpreter a persistent grid of one
+    program per core (every program loops over items pid, pid + programs, ...).
 
     Batch * heads goes on the first axis: CUDA allows 2^31 - 1 programs there but only 65535
     on the others, and a sequence needs 65535 query tiles (8M rows) before it hits that.
@@ -269,9 +471,150 @@ def _grid(programs_bh: int, tiles_m: int, device: torch.device) -> tuple[tuple[i
 
     platform = platform_for(device)
     if platform.persistent:
-        return (min(platform.cube_cores, tiles_m * programs_bh), 1), True
-    if tiles_m > 65535:
-        raise ValueError(f"query length must be <= {65535 * BLOCK_M} rows, got {tiles_m} tiles of {BLOCK_M}")
+        return (max(1, min(platform.cube_cores, tiles_m * programs_bh)), 1)
+    if tiles_m > MAX_QUERY_TILES:
+        raise ValueError(f"query length must be <= {MAX_QUERY_TILES * BLOCK_M} rows, got {tiles_m} tiles of {BLOCK_M}")
     if programs_bh > platform.max_grid:
         raise ValueError(f"batch * q heads must be <= {platform.max_grid} on {platform.name}, got {programs_bh}")
-    return (programs_bh, tiles_m), False
+    return (programs_bh, max(tiles_m, 1))
+
+
+def _geometry_key(q, k, v, softmax_scale: float, return_lse: bool) -> tuple:
+    return (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), q.dtype, q.device,
+            softmax_scale, return_lse)
+
+
+def check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale) -> None:
+    """Static checks of one call's tensors (types, dtypes, shapes of the scales): no value read."""
+    q, k, v = (require_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        as_codes(t, name)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one HiF8 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):
+        check_scalar_fp32(t, name)
+    if p_scale is not None:
+        check_scalar_fp32(p_scale, "p_scale")
+
+
+def check_scale_values(p_scale) -> None:
+    """Value checks of the scales (a host read: done on CPU, and on devices only when planning
+    without ready metadata)."""
+    if p_scale is not None and p_scale.device.type != "meta":
+        p_value = float(p_scale.item())
+        if not (math.isfinite(p_value) and p_value > 0):
+            raise ValueError(f"p_scale must be a finite value > 0 (it enters as -ln(p_scale)), got {p_value}")
+
+
+def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax_lse: bool = False,
+         attn_mask=None) -> AttentionPlan:
+    """``meta`` applied to tensors q, k, v (already checked by :func:`check_run_tensors`): shape
+    rules, lengths against the tensors, output geometry, tiles and grid. Host arithmetic only;
+    the plan is cached in ``meta`` per geometry."""
+    softmax_scale = check_softmax_scale(softmax_scale)
+    return_lse = check_bool(return_softmax_lse, "return_softmax_lse")
+    _check_attn_mask(attn_mask, meta.mask_mode)
+    key = _geometry_key(q, k, v, softmax_scale, return_lse)
+    plan = meta._plans.get(key)
+    if plan is not None:
+        return plan
+    plan = _bind(meta, q, k, v, softmax_scale, return_lse)
+    with meta._lock:
+        return meta._plans.setdefault(key, plan)
+
+
+def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bool) -> AttentionPlan:
+    layout = meta.layout
+    device = q.device
+    if meta.device is not None and meta.device != device:
+        raise ValueError(f"cu_seqlens / seqused must be on q's device {device}, got {meta.device}")
+    check_devices(device, {"k": k, "v": v})
+    qs, ks = check_shapes(q, k, v, layout)
+    if (qs["n"], ks["n"]) != (meta.heads_q, meta.heads_kv):
+        raise ValueError(f"q/k heads must match the metadata's ({meta.heads_q}, {meta.heads_kv}), "
+                         f"got ({qs['n']}, {ks['n']})")
+    if layout == "TND":
+        for total, got, name in ((meta.total_q, qs["s"], "q"), (meta.total_kv, ks["s"], "k")):
+            if got != total:
+                name_cu = "cu_seqlens_q" if name == "q" else "cu_seqlens_kv"
+                raise ValueError(f"{name_cu}[-1] must equal the token count {got} of the tensor, got {total}")
+        batch = meta.batch
+        q_lens, kv_lens = meta.q_lens, meta.kv_lens
+        q_starts, kv_starts = meta.q_starts, meta.kv_starts
+        seq_q, seq_kv = max(q_lens, default=0), max(kv_lens, default=0)
+        ends = list(q_starts[1:]) + [qs["s"]]
+        rows = tuple(end - start for start, end in zip(q_starts, ends))
+    else:
+        batch = qs["b"]
+        if not 0 < batch <= MAX_BATCH:
+            raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
+        if meta.batch is not None and meta.batch != batch:
+            raise ValueError(f"batch size of q must equal the metadata's ({meta.batch}), got {batch}")
+        seq_q, seq_kv = qs["s"], ks["s"]
+        q_lens = tuple(_apply_seqused([seq_q] * batch, meta.q_lens and list(meta.q_lens), "seqused_q"))
+        kv_lens = tuple(_apply_seqused([seq_kv] * batch, meta.kv_lens and list(meta.kv_lens), "seqused_kv"))
+        q_starts = kv_starts = (0,) * batch
+        rows = (seq_q,) * batch
+    if not 0 < batch <= MAX_BATCH:
+        raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
+    out_shape = tuple(q.shape)
+    out_strides = _contiguous_strides(out_shape)
+    axes = _AXES[layout]
+    out_norm = (out_strides[axes["b"]] if "b" in axes else 0, out_strides[axes["n"]], out_strides[axes["s"]],
+                out_strides[axes["d"]])
+    lse_sh = lse_shape(out_shape, layout)
+    lse_st = (0, *_contiguous_strides(lse_sh)) if layout == "TND" else _contiguous_strides(lse_sh)
+    n_tiles = math.ceil(max(rows, default=0) / BLOCK_M)
+    return AttentionPlan(
+        meta=meta, layout=layout, device=device, batch=batch, heads_q=meta.heads_q, heads_kv=meta.heads_kv,
+        head_dim=HEAD_DIM, seq_q=seq_q, seq_kv=seq_kv, q_starts=tuple(q_starts), kv_starts=tuple(kv_starts),
+        q_lens=q_lens, kv_lens=kv_lens, rows=rows, strides_q=normalised_strides(q, layout),
+        strides_kv=normalised_strides(k, layout), strides_v=normalised_strides(v, layout), out_shape=out_shape,
+        out_strides=out_norm, lse_shape=lse_sh, lse_strides=lse_st, causal=meta.causal,
+        softmax_scale=softmax_scale, return_lse=return_lse, block_m=BLOCK_M, block_n=BLOCK_N, n_tiles=n_tiles,
+        grid=_grid(batch * meta.heads_q, n_tiles, device), torch_rows=torch_tile_rows(meta.heads_q // meta.heads_kv),
+    )
+
+
+def check_against_metadata(meta: AttentionMetadata, *, layout: str, mask_mode, cu_seqlens_q, cu_seqlens_kv,
+                           seqused_q, seqused_kv) -> None:
+    """A run with ``metadata=`` must pass what the metadata was planned with: the same layout and
+    mask, and length tensors alike in dtype and shape (their values are the metadata's: reading
+    them again would cost a device synchronisation)."""
+    if layout != meta.layout:
+        raise ValueError(f"layout must be the metadata's {meta.layout!r}, got {layout!r}")
+    if check_mask_mode(mask_mode) != meta.mask_mode:
+        raise ValueError(f"mask_mode must be the metadata's {int(meta.mask_mode)}, got {mask_mode!r}")
+    given = _length_signature(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
+                              seqused_kv=seqused_kv)
+    for (name, planned), (_, got) in zip(meta.length_args, given):
+        if planned != got:
+            raise ValueError(f"{name} must be like the one the metadata was planned with "
+                             f"({'None' if planned is None else planned}), got {'None' if got is None else got}")
+
+
+def plan_attention(
+    q, k, v, q_descale, k_descale, v_descale, quant_mode, *, p_scale=None, layout="BNSD", cu_seqlens_q=None,
+    cu_seqlens_kv=None, seqused_q=None, seqused_kv=None, attn_mask=None, mask_mode=0, softmax_scale=None,
+    return_softmax_lse=False, block_table=None, sinks=None, win_left=-1, win_right=-1, max_seqlen_q=-1,
+    max_seqlen_kv=-1,
+) -> AttentionPlan:
+    """Validate one quant_flash_attn call against the spec and derive its plan (metadata + bind)."""
+    check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale)
+    check_quant_mode(quant_mode)
+    check_unsupported(win_left, win_right, block_table=block_table, sinks=sinks)
+    check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
+                              "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
+                              "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
+                              "attn_mask": attn_mask})
+    check_scale_values(p_scale)
+    qs, ks = check_shapes(q, k, v, layout)
+    tnd = layout == "TND"
+    meta = plan_metadata(
+        qs["n"], ks["n"], qs["d"], quant_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+        seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=None if tnd else qs["b"],
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask_mode=mask_mode, layout=layout,
+        total_q=qs["s"], total_kv=ks["s"],
+    )
+    return bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
+                attn_mask=attn_mask)

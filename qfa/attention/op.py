@@ -1,4 +1,5 @@
-"""``quant_flash_attn``: QuantFlashAttn in HiF8 per-tensor mode (quant_mode 7)."""
+"""``quant_flash_attn`` and ``quant_flash_attn_metadata``: QuantFlashAttn in HiF8 per-tensor mode
+(quant_mode 0; 7 is its older number), with upstream's current argument names."""
 
 from __future__ import annotations
 
@@ -6,7 +7,52 @@ import torch
 
 from qfa import backends
 from qfa.cast.api import as_codes
-from qfa.tiling.attention import plan_attention
+from qfa.tiling import attention as tiling
+from qfa.tiling.attention import AttentionMetadata, AttentionPlan, plan_attention
+from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode
+
+Metadata = AttentionMetadata | AttentionPlan
+
+
+def quant_flash_attn_metadata(
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int = HEAD_DIM,
+    quant_mode: int = QuantMode.HIF8_PER_TENSOR,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_kv: torch.Tensor | None = None,
+    batch_size: int | None = None,
+    max_seqlen_q: int = -1,
+    max_seqlen_kv: int = -1,
+    head_dim_v: int | None = None,
+    mask_mode: int = MaskMode.NONE,
+    win_left: int = -1,
+    win_right: int = -1,
+    layout_q: str | None = None,
+    layout_q_descale: str = "BSND",
+    layout_kv: str | None = None,
+    layout_out: str | None = None,
+    is_grad_enabled: bool = False,
+    layout: str | None = None,
+) -> AttentionMetadata:
+    """Plan once, run many: the call's schedule, for ``quant_flash_attn(..., metadata=...)``.
+
+    Upstream's arguments (its metadata returns an int32 work split; qfa returns the plan object).
+    This is where ``cu_seqlens`` / ``seqused`` are read on the host (one device synchronisation);
+    every run with the metadata reuses those lengths and makes none. The lengths tensors passed to
+    a run must be alike (dtype, shape) to those planned with; their values are not read again.
+    Layouts as in :func:`quant_flash_attn` (``layout`` sets all three; default ``"BNSD"``).
+    """
+    chosen = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    return tiling.plan_metadata(
+        num_heads_q, num_heads_kv, head_dim, quant_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+        seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=batch_size, max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv, head_dim_v=head_dim_v, mask_mode=mask_mode, win_left=win_left,
+        win_right=win_right, layout=chosen, layout_q_descale=layout_q_descale, is_grad_enabled=is_grad_enabled,
+    )
 
 
 def quant_flash_attn(
@@ -16,23 +62,32 @@ def quant_flash_attn(
     q_descale: torch.Tensor,
     k_descale: torch.Tensor,
     v_descale: torch.Tensor,
-    quant_mode: int = 7,
+    quant_mode: int = QuantMode.HIF8_PER_TENSOR,
     *,
-    p_scale: torch.Tensor | None = None,
-    layout: str = "BNSD",
+    block_table: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_kv: torch.Tensor | None = None,
     seqused_q: torch.Tensor | None = None,
     seqused_kv: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-    mask_mode: int = 0,
-    softmax_scale: float | None = None,
-    return_softmax_lse: bool = False,
-    backend: str | None = None,
-    block_table: torch.Tensor | None = None,
+    p_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    metadata: Metadata | None = None,
+    softmax_scale: float | None = None,
+    mask_mode: int = MaskMode.NONE,
+    win_left: int = -1,
+    win_right: int = -1,
+    max_seqlen_q: int = -1,
+    max_seqlen_kv: int = -1,
+    layout_q: str | None = None,
+    layout_q_descale: str = "BSND",
+    layout_kv: str | None = None,
+    layout_out: str | None = None,
+    return_softmax_lse: bool = False,
+    layout: str | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill attention on HiF8 Q/K/V with fp32 per-tensor descales; bf16 output.
+    """Attention on HiF8 Q/K/V with fp32 per-tensor descales; bf16 output.
 
     Args:
         q, k, v: HiF8 codes (``torch.uint8``, or ``torch_npu.hifloat8``) in one layout:
@@ -40,37 +95,88 @@ def quant_flash_attn(
             q head count is a multiple of the k/v head count; q head h reads kv head h // (Nq/Nkv).
         q_descale, k_descale, v_descale: fp32 tensors of shape (1,): the real value of a code is
             ``decode(code) * descale``. q and k descales are folded into the softmax scale.
-        quant_mode: 7 (HiF8 per-tensor); 0, upstream's newer number for it, is accepted.
-        p_scale: fp32 (1,) or None (1.0): where P lands on the HiF8 grid before P @ V. It cancels
-            in the output and in the LSE; 1.0 is usually most accurate (3 mantissa bits near 1).
-        layout: ``"BNSD"``, ``"BSND"`` or ``"TND"``, shared by q, k, v and the output.
+        quant_mode: 0 (``QuantMode.HIF8_PER_TENSOR``); 7, its older number, is accepted.
+        block_table, sinks, win_left, win_right: paged KV, attention sinks and sliding windows
+            (upstream's names); not supported in this mode yet: rejected unless None / -1.
         cu_seqlens_q, cu_seqlens_kv: int32 (B+1,) cumulative lengths with a leading 0; required
             for TND and rejected otherwise.
         seqused_q, seqused_kv: optional int32 (B,) used lengths per batch, in every layout (e.g.
             right padding); zero-length batches are allowed.
+        p_scale: fp32 (1,) or None (1.0): where P lands on the HiF8 grid before P @ V. It cancels
+            in the output and in the LSE; 1.0 is usually most accurate (3 mantissa bits near 1).
         attn_mask, mask_mode: mask_mode 0 is no mask; 3 is causal aligned bottom-right with the
             per-batch lengths (key j is masked for query i iff j > i + Skv_b - Sq_b). For mode 3
             an int8 [2048, 2048] compressed mask may be passed for upstream compatibility; the
             causal pattern is computed, never read from it.
-        softmax_scale: None means 1/sqrt(128) (the SDPA convention). Upstream's default is 1.0.
+        metadata: a plan from :func:`quant_flash_attn_metadata` (or the ``AttentionPlan`` of an
+            earlier call): the tensors are checked against it (shapes, dtypes, devices) and its
+            lengths are used without reading the length tensors again, so on a GPU the call makes
+            no host synchronisation.
+        softmax_scale: None means 1/sqrt(128) (the SDPA convention). Upstream's default is 1.0
+            (``qfa.compat.cann_ops_transformer`` keeps upstream's defaults).
+        max_seqlen_q, max_seqlen_kv: optional upper bounds of the used lengths (-1: not given);
+            checked when given.
+        layout_q, layout_kv, layout_out: per-operand layouts (upstream's names); in this mode
+            all three must be equal. ``layout`` is the shorthand that sets all three; unset,
+            they are ``"BNSD"``. ``layout_q_descale`` must be ``"BSND"`` (a per-tensor scale).
         return_softmax_lse: also return the natural-log LSE of the scaled scores, fp32
             (B, Nq, Sq) or (Nq, Tq) for TND; otherwise an empty tensor is returned in its place.
         backend: ``"torch"`` or ``"triton"``; None picks by device (``$QFA_BACKEND`` overrides).
-        block_table, sinks: paged KV and attention sinks; not supported in this mode (rejected).
 
     Returns:
         ``(out, lse)``: out is bf16 in q's layout and shape, rounded half away from zero. Rows
         that see no key (padding, or the first Sq - Skv rows of a causal call) give 0 and lse +inf.
     """
-    plan = plan_attention(
-        q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale=p_scale, layout=layout,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
-        attn_mask=attn_mask, mask_mode=mask_mode, softmax_scale=softmax_scale,
-        return_softmax_lse=return_softmax_lse, block_table=block_table, sinks=sinks,
-    )
+    chosen = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    if metadata is None:
+        plan = plan_attention(
+            q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale=p_scale, layout=chosen,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
+            attn_mask=attn_mask, mask_mode=mask_mode, softmax_scale=softmax_scale,
+            return_softmax_lse=return_softmax_lse, block_table=block_table, sinks=sinks, win_left=win_left,
+            win_right=win_right, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        )
+    else:
+        plan = _plan_from_metadata(
+            metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, chosen, cu_seqlens_q,
+            cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse,
+            block_table, sinks, win_left, win_right, max_seqlen_q, max_seqlen_kv,
+        )
     q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
-    if backends.resolve(q.device, backend) == "triton":
+    return _backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+
+
+def _backend(plan: AttentionPlan, requested: str | None):
+    if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import attention as kernel
     else:
         from qfa.attention import torch_path as kernel
-    return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+    return kernel
+
+
+def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, layout,
+                        cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale,
+                        return_softmax_lse, block_table, sinks, win_left, win_right, max_seqlen_q,
+                        max_seqlen_kv) -> AttentionPlan:
+    """The plan of a run with ready metadata: static checks only, no host read on devices."""
+    if isinstance(metadata, AttentionPlan):
+        metadata = metadata.meta
+    if not isinstance(metadata, AttentionMetadata):
+        raise TypeError(f"metadata must come from qfa.quant_flash_attn_metadata (or be an AttentionPlan), "
+                        f"got {type(metadata).__name__}")
+    tiling.check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale)
+    if tiling.check_quant_mode(quant_mode) != metadata.quant_mode:
+        raise ValueError(f"quant_mode must be the metadata's {int(metadata.quant_mode)}, got {quant_mode!r}")
+    tiling.check_unsupported(win_left, win_right, block_table=block_table, sinks=sinks)
+    for value, planned, name in ((max_seqlen_q, metadata.max_seqlen_q, "max_seqlen_q"),
+                                 (max_seqlen_kv, metadata.max_seqlen_kv, "max_seqlen_kv")):
+        if value not in (-1, planned):
+            raise ValueError(f"{name} must be -1 or the metadata's {planned}, got {value!r}")
+    tiling.check_against_metadata(metadata, layout=layout, mask_mode=mask_mode, cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv)
+    tiling.check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
+                                     "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
+    if q.device.type == "cpu":  # a host read costs nothing there
+        tiling.check_scale_values(p_scale)
+    return tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
+                       attn_mask=attn_mask)

@@ -25,9 +25,9 @@ import torch
 
 from qfa import _compile
 from qfa.attention.cpu_gemm import matmul_nt
-from qfa.cast import api as cast_api
 from qfa.cast import luts
-from qfa.tiling.attention import AttentionPlan, normalised_strides
+from qfa.cast import torch_path as cast_torch
+from qfa.tiling.attention import AttentionPlan
 
 _BF16_ROUND_BIT = 0x8000
 
@@ -79,9 +79,11 @@ def _per_batch(t: torch.Tensor, strides, heads: int, b: int, start: int, length:
     return t.as_strided((heads, length, t.shape[-1]), (sn, ss, sd), t.storage_offset() + b * sb + start * ss)
 
 
-def _decode(codes: torch.Tensor) -> torch.Tensor:
-    """Contiguous fp32 values of (possibly strided) HiF8 codes."""
-    return cast_api.decode_from_hifloat8(codes.contiguous(), torch.float32, backend="torch")
+def _decode(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Contiguous fp32 values of (possibly strided) HiF8 codes: the cast's own decode step,
+    without the public API's argument checks and backend resolution (once per key block)."""
+    flat = codes.contiguous().view(-1)
+    return cast_torch.run(cast_torch.decode_codes, flat, table).view(torch.float32).view(codes.shape)
 
 
 class _Tile:
@@ -120,21 +122,16 @@ def forward(
 
 
 def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
-    device = q.device
+    device = plan.device
     Nq, Nkv, G, D, BN = plan.heads_q, plan.heads_kv, plan.group, plan.head_dim, plan.block_n
-    dscale = (q_descale * k_descale) * plan.softmax_scale
-    ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=device)
+    dscale, ln_p, v_descale = plan.scalars(q_descale, k_descale, v_descale, p_scale).split(1)
     table = luts.round_lut(device)
+    dec = luts.decode_lut(torch.float32, device)
 
     # Rows no batch reaches (seqused_q, TND tails) and rows that see no key: out 0, lse +inf.
-    out = torch.zeros(q.shape, dtype=torch.bfloat16, device=device)
-    out_strides = normalised_strides(out, plan.layout)
-    if plan.return_lse:
-        total_q = q.shape[0] if plan.layout == "TND" else 0
-        lse = torch.full((Nq, total_q) if plan.layout == "TND" else (plan.batch, Nq, plan.seq_q), float("inf"),
-                         device=device)
-    else:
-        lse = torch.empty(0, device=device)
+    out, lse = plan.new_outputs()
+    out.zero_()
+    lse.fill_(float("inf"))
 
     for b, offset in enumerate(plan.causal_offsets):
         q_len, kv_len = plan.q_lens[b], plan.kv_lens[b]
@@ -146,9 +143,9 @@ def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
         # enough to be recycled from call to call (a 32 MiB one would be page-faulted in anew).
         k_b = _per_batch(k, plan.strides_kv, Nkv, b, plan.kv_starts[b], kv_len)
         v_b = _per_batch(v, plan.strides_v, Nkv, b, plan.kv_starts[b], kv_len)
-        k_blocks = [_decode(k_b[:, j0 : j0 + BN]) for j0 in range(0, kv_len, BN)]
-        v_blocks = [_decode(v_b[:, j0 : j0 + BN]) for j0 in range(0, kv_len, BN)]
-        out_b = _per_batch(out, out_strides, Nq, b, q_start, q_len)
+        k_blocks = [_decode(k_b[:, j0 : j0 + BN], dec) for j0 in range(0, kv_len, BN)]
+        v_blocks = [_decode(v_b[:, j0 : j0 + BN], dec) for j0 in range(0, kv_len, BN)]
+        out_b = _per_batch(out, plan.out_strides, Nq, b, q_start, q_len)
         if plan.return_lse:
             lse_b = lse[:, q_start : q_start + q_len] if plan.layout == "TND" else lse[b, :, :q_len]
         for t0 in range(0, q_len, plan.torch_rows):
@@ -159,7 +156,7 @@ def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
             if key_end <= 0:
                 continue
             # (Nq, T, D) -> (Nkv, T * G, D): each kv head's GQA group as one matrix.
-            q_tile = _decode(q_b[:, t0:t1].view(Nkv, G, T, D).transpose(1, 2)).view(Nkv, T * G, D)
+            q_tile = _decode(q_b[:, t0:t1].view(Nkv, G, T, D).transpose(1, 2), dec).view(Nkv, T * G, D)
             state = _Tile(Nkv, T * G, D, device)
             # Blocks end at kv_len, never at the tile's causal edge (that part is masked), so
             # every row sums the same block whatever the tile: the tile does not change a bit.
