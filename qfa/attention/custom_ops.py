@@ -19,13 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-
-def _lse_shape(q: Tensor, layout: str) -> tuple:
-    if layout == "BNSD":
-        return (q.shape[0], q.shape[1], q.shape[2])
-    if layout == "BSND":
-        return (q.shape[0], q.shape[2], q.shape[1])
-    return (q.shape[1], q.shape[0])  # TND: (Nq, Tq)
+from qfa.tiling.attention import lse_shape
 
 
 def _empty_lse(q: Tensor) -> Tensor:
@@ -57,5 +51,5 @@ def quant_flash_attn(
 def _(q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, layout, cu_seqlens_q, cu_seqlens_kv,
       seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse, backend):
     out = q.new_empty(q.shape, dtype=torch.bfloat16)
-    lse = q.new_empty(_lse_shape(q, layout), dtype=torch.float32) if return_softmax_lse else _empty_lse(q)
+    lse = q.new_empty(lse_shape(q.shape, layout), dtype=torch.float32) if return_softmax_lse else _empty_lse(q)
     return out, lse
