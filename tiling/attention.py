@@ -72,7 +72,9 @@ def check_quant_mode(quant_mode) -> QuantMode:
     if quant_mode in LEGACY_QUANT_MODES:
         return LEGACY_QUANT_MODES[quant_mode]
     if quant_mode != QuantMode.HIF8_PER_TENSOR:
-        raise ValueError(f"quant_mode must be 0 (HiF8 per-tensor; 7 is its older number), got {quant_mode!r}")
+        known = {m.value: m.name for m in QuantMode}
+        later = f" ({known[quant_mode]}: upstream's mode, not implemented in qfa yet)" if quant_mode in known else ""
+        raise ValueError(f"quant_mode must be 0 (HiF8 per-tensor; 7 is its older number), got {quant_mode!r}{later}")
     return QuantMode.HIF8_PER_TENSOR
 
 
@@ -419,7 +421,6 @@ class AttentionPlan:
     block_m: int
     block_n: int
     n_tiles: int  # query tiles of block_m rows per (batch, q head): ceil(max(rows) / block_m)
-    grid: tuple[int, int]  # (batch * q heads, query tiles), or a persistent grid
     #: Query positions per tile of the torch path (CPU): see :func:`torch_tile_rows`.
     torch_rows: int
 
@@ -432,6 +433,13 @@ class AttentionPlan:
     def causal_offsets(self) -> tuple[int, ...]:
         """Bottom-right alignment: query i of batch b sees key j iff j <= i + offset[b]."""
         return tuple(kv - q for q, kv in zip(self.q_lens, self.kv_lens))
+
+    @cached_property
+    def grid(self) -> tuple[int, int]:
+        """The Triton launch grid over the plan's items (batch * q heads x ``n_tiles``): one
+        program per item, or a persistent grid (see :func:`_grid`). Derived on first use, so the
+        torch path never asks for a launch platform."""
+        return _grid(self.batch * self.heads_q, self.n_tiles, self.device)
 
     @cached_property
     def seq_table(self) -> torch.Tensor:
@@ -495,6 +503,11 @@ def check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale) -> None
         check_scalar_fp32(t, name)
     if p_scale is not None:
         check_scalar_fp32(p_scale, "p_scale")
+
+
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading a tensor's values costs no device synchronisation (CPU memory)."""
+    return device.type == "cpu"
 
 
 def check_scale_values(p_scale) -> None:
@@ -572,7 +585,7 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
         strides_kv=normalised_strides(k, layout), strides_v=normalised_strides(v, layout), out_shape=out_shape,
         out_strides=out_norm, lse_shape=lse_sh, lse_strides=lse_st, causal=meta.causal,
         softmax_scale=softmax_scale, return_lse=return_lse, block_m=BLOCK_M, block_n=BLOCK_N, n_tiles=n_tiles,
-        grid=_grid(batch * meta.heads_q, n_tiles, device), torch_rows=torch_tile_rows(meta.heads_q // meta.heads_kv),
+        torch_rows=torch_tile_rows(meta.heads_q // meta.heads_kv),
     )
 
 

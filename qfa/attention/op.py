@@ -176,7 +176,7 @@ def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quan
                                   cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv)
     tiling.check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                                      "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
-    if q.device.type == "cpu":  # a host read costs nothing there
+    if tiling.host_reads_are_free(q.device):
         tiling.check_scale_values(p_scale)
     return tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                        attn_mask=attn_mask)
