@@ -1,5 +1,5 @@
-"""Calibration rules, quantize/dequantize, the scale observer and the calibration benchmark's
-helpers, on small synthetic tensors (never a real model: CI has none)."""
+"""Calibration rules (``qfa.attention.calibration``), quantize/dequantize and the scale observer,
+on small synthetic tensors. The calibration benchmark's helpers are tested in test_tools.py."""
 
 import math
 
@@ -171,38 +171,3 @@ def test_observer_subsamples_large_batches_and_stays_close():
     # a strided sample of a few thousand values estimates the RMS within a few %; after rounding
     # log2 the exponent can differ by at most one binade at a rounding boundary
     assert abs(math.log2(float(obs.scale())) - true_exp) <= 1
-
-
-# ----------------------------------------------------------------------------- bench helpers
-
-def test_bench_layer_parsing_and_table():
-    from qfa.tools.bench import calibration as bench
-
-    assert bench.parse_layers("all", 4) == [0, 1, 2, 3]
-    assert bench.parse_layers("0,2-3", 4) == [0, 2, 3]
-    with pytest.raises(ValueError, match="--layers"):
-        bench.parse_layers("5", 4)
-    rows = [bench.Row("HiF8 rms", True, 0.99, 0.07, 0.1, 3, 0.1), bench.Row("HiF8 amax", True, 0.9, 0.3, 0.5, 1, 0.1)]
-    table = bench.format_table(rows)
-    assert table.splitlines()[0].startswith("| method |") and "| HiF8 rms | yes | 0.990000 |" in table
-    assert bench.best_rule(rows, True) == "rms"
-
-
-def test_bench_measure_on_synthetic_captures():
-    from qfa.tools.bench import calibration as bench
-
-    g = torch.Generator().manual_seed(1)
-    caps = [
-        bench.Capture(i, torch.randn(1, 4, 40, 128, generator=g).bfloat16(),
-                      (torch.randn(1, 2, 40, 128, generator=g) + 4 * torch.randn(128, generator=g)).bfloat16(),
-                      torch.randn(1, 2, 40, 128, generator=g).bfloat16(), 1 / math.sqrt(128))
-        for i in range(2)
-    ]
-    rows = bench.measure(caps, ["amax", "rms"], smooth_options=(True,))
-    by_name = {r.method: r for r in rows}
-    assert list(by_name)[0] == "bf16 SDPA (no quantisation)"
-    assert list(by_name)[-4:] == ["HiF8 amax", "HiF8 amax + rotation", "HiF8 rms", "HiF8 rms + rotation"]
-    base, amax, rms = by_name["bf16 SDPA (no quantisation)"], by_name["HiF8 amax"], by_name["HiF8 rms"]
-    assert base.rel_l2 < 0.01 < rms.rel_l2 < amax.rel_l2
-    assert bench.best_rule(rows, True) in ("amax", "rms")
-    assert all(0.5 < r.cosine <= 1.0 for r in rows)

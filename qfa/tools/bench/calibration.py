@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import gzip
 import math
 import os
 import sys
@@ -28,6 +27,10 @@ import time
 from typing import Iterable, Optional, Sequence
 
 import torch
+
+from qfa.tools.metrics import error_metrics
+from qfa.tools.models import load_model, resolve_model
+from qfa.tools.text import read_text
 
 CAPTURE_NAME = "qfa_capture"
 
@@ -55,9 +58,10 @@ class Row:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local transformers model folder (or the folder holding --gguf)")
+    parser.add_argument("--model", default=None,
+                        help="transformers model folder (or the folder holding --gguf), .gguf file, or packaged model")
     parser.add_argument("--gguf", default=None, help="GGUF file name inside --model (dequantised on load)")
-    parser.add_argument("--text", default=None, help="UTF-8 text file (.gz read transparently)")
+    parser.add_argument("--text", default=None, help="UTF-8 text file (gzip read transparently)")
     parser.add_argument("--tokens", type=int, default=512, help="tokens of --text to run (default 512)")
     parser.add_argument("--skip-tokens", type=int, default=0, help="tokens to skip at the start of --text")
     parser.add_argument("--layers", default="all", help="'all' or a list like '0,3,8-12' (default all)")
@@ -91,12 +95,6 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     if bad or not layers:
         raise ValueError(f"--layers must name layers in [0, {num_layers - 1}], got {spec!r}")
     return sorted(layers)
-
-
-def read_text(path: str) -> str:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        return f.read()
 
 
 def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Optional[Iterable[int]] = None) -> list[Capture]:
@@ -142,10 +140,8 @@ def exact_attention(c: Capture) -> torch.Tensor:
 
 
 def _errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    o, r = out.float().reshape(-1), ref.reshape(-1)
-    cosine = torch.nn.functional.cosine_similarity(o.double(), r.double(), dim=0).item()
-    rel = ((o - r).double().norm() / r.double().norm()).item()
-    return cosine, rel
+    """(cosine, relative L2) of a layer's output against its reference."""
+    return error_metrics(out, ref)[:2]
 
 
 def _row(method, smooth_k, per_layer: list[tuple[int, float, float]], seconds) -> Row:
@@ -227,18 +223,14 @@ def best_rule(rows: Sequence[Row], smooth_k: bool = True) -> Optional[str]:
 
 def _load_and_capture(args) -> tuple[list[Capture], str]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not args.model or not args.text:
         raise ValueError("--model and --text are required (unless --load-captures is given)")
     if args.tokens < 2:
         raise ValueError(f"--tokens must be at least 2, got {args.tokens}")
-    kwargs = {"gguf_file": args.gguf} if args.gguf else {}
+    folder, gguf, label = resolve_model(args.model, args.gguf)
     t0 = time.perf_counter()
-    print(f"loading {args.model}{' / ' + args.gguf if args.gguf else ''} ...", file=sys.stderr, flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **kwargs)
-    model.eval()
+    print(f"loading {label} ...", file=sys.stderr, flush=True)
+    model, tokenizer = load_model(folder, gguf, getattr(torch, args.dtype))
     print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     ids = tokenizer(read_text(args.text), return_tensors="pt").input_ids
     ids = ids[:, args.skip_tokens: args.skip_tokens + args.tokens]
@@ -251,7 +243,7 @@ def _load_and_capture(args) -> tuple[list[Capture], str]:
     del model
     gc.collect()
     desc = (
-        f"model {args.gguf or args.model}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, "
+        f"model {label}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, "
         f"{cfg.num_key_value_heads} kv heads, head_dim {head_dim}; text {os.path.basename(args.text)}, "
         f"{ids.shape[1]} tokens (skipped {args.skip_tokens}); {len(captures)} layers measured"
     )

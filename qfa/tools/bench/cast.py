@@ -11,16 +11,24 @@ import argparse
 
 import torch
 
-from qfa.tools.bench.timing import human_count, markdown_table, median_seconds
+from qfa.tools.bench.timing import human_count, markdown_table, median_seconds, parse_count
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
 FP8 = torch.float8_e4m3fn
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        return [parse_count(item) for item in text.split(",")]
+    except ValueError as exc:  # argparse prints this message, with usage, and exits 2
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_SIZES),
-                        help="comma-separated element counts (default: 1K,64K,1M,4M,16M,64M)")
+    parser.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES),
+                        help="comma-separated element counts, plain or with K/M (2^10/2^20) suffixes "
+                             f"(default: {','.join(human_count(n) for n in DEFAULT_SIZES)})")
     parser.add_argument("--backend", default=None, help="torch or triton (default: by device)")
     parser.add_argument("--device", default="cpu")
 

@@ -25,8 +25,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
+#: Binary suffixes of element counts, as the tables print them.
+_UNITS = {"M": 1 << 20, "K": 1 << 10}
+
+
 def human_count(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+    """``65536`` -> ``"64K"``: the largest suffix that divides ``n``, else the plain integer."""
+    for unit, size in _UNITS.items():
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return str(n)
+
+
+def parse_count(text: str) -> int:
+    """``"64K"`` -> ``65536`` (K = 2^10, M = 2^20, either case) or a plain positive integer:
+    the inverse of :func:`human_count`. Anything else is a ValueError naming the text."""
+    body = text.strip()
+    size = _UNITS.get(body[-1:].upper(), 1)
+    digits = body[:-1] if size != 1 else body
+    if not (digits.isascii() and digits.isdigit()) or int(digits) == 0:
+        raise ValueError(f"expected a positive element count like 4096, 64K or 4M, got {text!r}")
+    return int(digits) * size

@@ -1,0 +1,194 @@
+"""The tools' shared helpers (metrics, text reader, counts, the speed verdict) and the
+benchmarks' pure parts, in-process and without timing anything (``qfa.tools``)."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import math
+
+import pytest
+import torch
+
+from qfa.tools import metrics, text
+from qfa.tools.bench import attention as bench_attention
+from qfa.tools.bench import calibration as bench_calibration
+from qfa.tools.bench.timing import human_count, parse_count
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_error_metrics_on_a_worked_example():
+    """ref (3, 4), out (3, 5): |ref| = 5, |out - ref| = 1, cos = 29 / (5 sqrt 34)."""
+    m = metrics.error_metrics(torch.tensor([[3.0, 5.0]]), torch.tensor([[3.0, 4.0]]))
+    assert m.rel_l2 == pytest.approx(0.2, rel=1e-15) and m.max_abs == 1.0
+    assert m.cosine == pytest.approx(29 / (5 * math.sqrt(34)), rel=1e-15)
+    assert tuple(m) == (m.cosine, m.rel_l2, m.max_abs)  # unpacks as (cosine, rel L2, max abs)
+    assert metrics.relative_l2(torch.tensor([3.0, 5.0]), torch.tensor([3.0, 4.0])) == m.rel_l2
+
+
+def test_error_metrics_is_computed_in_float64():
+    """A bf16 output against an fp32 reference: the figures are those of the values upcast to
+    float64 (no bf16 or fp32 arithmetic in the metric)."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4, 64, generator=g)
+    out = (ref + 1e-3 * torch.randn(4, 64, generator=g)).bfloat16()
+    o, r = out.double().flatten(), ref.double().flatten()
+    m = metrics.error_metrics(out, ref)
+    assert m.max_abs == (o - r).abs().max().item()
+    assert m.rel_l2 == pytest.approx(((o - r).norm() / r.norm()).item(), rel=1e-12)
+
+
+def test_error_metrics_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"same shape, got \(2, 3\) and \(3, 2\)"):
+        metrics.error_metrics(torch.zeros(2, 3), torch.zeros(3, 2))
+
+
+# ----------------------------------------------------------------------------- text reader
+
+
+def test_read_text_detects_gzip_by_content_not_name(tmp_path):
+    body = "héllo\nwörld"
+    files = {"plain.txt": body.encode(), "packed.gz": gzip.compress(body.encode()),
+             "packed_without_suffix.txt": gzip.compress(body.encode()), "plain_named.gz": body.encode()}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        assert text.read_text(tmp_path / name) == body, name
+        assert text.read_text(str(tmp_path / name)) == body, name
+
+
+def test_read_text_replaces_undecodable_bytes(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff end")
+    assert text.read_text(tmp_path / "bad.txt") == "ok \ufffd end"
+
+
+# ----------------------------------------------------------------------------- element counts
+
+
+def test_parse_count_accepts_suffixes_and_plain_integers():
+    assert [parse_count(s) for s in ("1K", "64K", "1M", "4M", "4m", "1024", " 7 ")] == \
+        [1024, 65536, 1 << 20, 1 << 22, 1 << 22, 1024, 7]
+    for n in (1, 1000, 1024, 3 << 10, 1 << 20, 5 << 20, (1 << 20) + 1024):
+        assert parse_count(human_count(n)) == n
+
+
+@pytest.mark.parametrize("bad", ["", "x", "K", "1.5K", "0", "0K", "-1", "4G", "1KB", "1e3", "\u0661\u0662"])
+def test_parse_count_rejects(bad):
+    with pytest.raises(ValueError, match="positive element count"):
+        parse_count(bad)
+
+
+# ----------------------------------------------------------------------------- bench attention
+
+
+def test_speed_verdict():
+    head = f"speed target (qfa <= 1.0x fp32 SDPA for S >= {bench_attention.SPEED_TARGET_MIN_SEQ}): "
+    assert bench_attention.speed_verdict([0.8, 0.95]) == head + "met in 2 of 2 rows (worst 0.95x)"
+    assert bench_attention.speed_verdict([1.0]) == head + "met in 1 of 1 rows (worst 1.00x)"  # the bound is met
+    assert bench_attention.speed_verdict([0.7, 1.25, 0.9]) == head + "NOT met in 2 of 3 rows (worst 1.25x)"
+    with pytest.raises(ValueError, match="at least one"):
+        bench_attention.speed_verdict([])
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """``median_seconds`` replaced by a clock that runs nothing: each row's three timings
+    (qfa, fp32 SDPA, bf16 SDPA) come from ``times[seq]``."""
+    times: dict[int, tuple[float, float, float]] = {}
+    pending: list[float] = []
+
+    def fake_median(fn, **kwargs):
+        if not pending:
+            seq = fake_median.seqs.pop(0)
+            pending.extend(times[seq])
+        return pending.pop(0)
+
+    fake_median.seqs = []
+    monkeypatch.setattr(bench_attention, "median_seconds", fake_median)
+
+    def use(table: dict[int, tuple[float, float, float]], seqs: list[int]) -> None:
+        times.update(table)
+        fake_median.seqs[:] = list(seqs)
+
+    return use
+
+
+def test_speed_rows_count_only_long_sequences_toward_the_target(fake_clock):
+    fake_clock({64: (0.5, 0.1, 0.2), 2048: (0.08, 0.1, 0.2), 4096: (0.3, 0.2, 0.4)}, [64, 2048, 4096])
+    rows, ratios = bench_attention.speed_rows([64, 2048, 4096], "torch", heads=[(2, 1)])
+    assert [r[1] for r in rows] == [64, 2048, 4096]
+    assert [r[5] for r in rows] == ["5.00x", "0.80x", "1.50x"]  # qfa / fp32 SDPA
+    assert [r[7] for r in rows] == ["2.50x", "0.40x", "0.75x"]  # qfa / bf16 SDPA
+    assert ratios == pytest.approx([0.8, 1.5])  # S = 64 is below the target's minimum
+
+
+def test_bench_attention_run_prints_the_verdict(fake_clock, capsys):
+    parser = argparse.ArgumentParser()
+    bench_attention.add_arguments(parser)
+    args = parser.parse_args(["--heads", "2:1", "--seqs", "64,2048", "--memory-seq", "0", "--accuracy-seq", "0"])
+    fake_clock({64: (0.5, 0.1, 0.2), 2048: (0.3, 0.2, 0.4)}, [64, 2048])
+    assert bench_attention.run(args) == 0
+    out = capsys.readouterr().out
+    assert bench_attention.speed_verdict([1.5]) in out  # only S = 2048 counts
+    assert "peak memory" not in out and "accuracy" not in out
+
+
+# ----------------------------------------------------------------------------- bench calibration
+
+
+def test_bench_layer_parsing_and_table():
+    assert bench_calibration.parse_layers("all", 4) == [0, 1, 2, 3]
+    assert bench_calibration.parse_layers("0,2-3", 4) == [0, 2, 3]
+    with pytest.raises(ValueError, match="--layers"):
+        bench_calibration.parse_layers("5", 4)
+    Row = bench_calibration.Row
+    rows = [Row("HiF8 rms", True, 0.99, 0.07, 0.1, 3, 0.1), Row("HiF8 amax", True, 0.9, 0.3, 0.5, 1, 0.1)]
+    table = bench_calibration.format_table(rows)
+    assert table.splitlines()[0].startswith("| method |") and "| HiF8 rms | yes | 0.990000 |" in table
+
+
+def test_best_rule_picks_the_lowest_error_hif8_row_of_the_smoothing_setting():
+    Row = bench_calibration.Row
+    rows = [
+        Row("bf16 SDPA (no quantisation)", None, 1.0, 0.001, 0.001, 0, 0.0),  # not a rule: ignored
+        Row("FP8 E4M3 amax/448 (emulated)", True, 0.99, 0.01, 0.02, 0, 0.0),  # not HiF8: ignored
+        Row("HiF8 amax", True, 0.9, 0.30, 0.5, 1, 0.0),
+        Row("HiF8 rms", True, 0.99, 0.07, 0.1, 3, 0.0),
+        Row("HiF8 mse" + bench_calibration.ROTATED, True, 0.99, 0.05, 0.1, 3, 0.0),  # rotated rows count
+        Row("HiF8 rms", False, 0.98, 0.20, 0.3, 2, 0.0),
+        Row("HiF8 amax", False, 0.97, 0.10, 0.2, 2, 0.0),
+    ]
+    assert bench_calibration.best_rule(rows, True) == "mse"
+    assert bench_calibration.best_rule(rows, False) == "amax"
+    assert bench_calibration.best_rule(rows[:2], True) is None
+
+
+def test_bench_measure_on_synthetic_captures():
+    """Rows in order, each the mean over layers of the per-layer errors, with the worst layer."""
+    g = torch.Generator().manual_seed(1)
+    caps = [
+        bench_calibration.Capture(
+            i, torch.randn(1, 4, 40, 128, generator=g).bfloat16(),
+            (torch.randn(1, 2, 40, 128, generator=g) + 4 * torch.randn(128, generator=g)).bfloat16(),
+            torch.randn(1, 2, 40, 128, generator=g).bfloat16(), 1 / math.sqrt(128))
+        for i in range(2)
+    ]
+    rows = bench_calibration.measure(caps, ["amax", "rms"], smooth_options=(True,))
+    by_name = {r.method: r for r in rows}
+    assert list(by_name)[0] == "bf16 SDPA (no quantisation)"
+    assert list(by_name)[-4:] == ["HiF8 amax", "HiF8 amax + rotation", "HiF8 rms", "HiF8 rms + rotation"]
+    base, amax, rms = by_name["bf16 SDPA (no quantisation)"], by_name["HiF8 amax"], by_name["HiF8 rms"]
+    assert base.rel_l2 < 0.01 < rms.rel_l2 < amax.rel_l2
+    # The bf16 row recomputed layer by layer: mean cosine and rel L2, and the worst layer.
+    per_layer = []
+    for c in caps:
+        exact = bench_calibration.exact_attention(c)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            c.q.bfloat16(), c.k.bfloat16(), c.v.bfloat16(), is_causal=True, scale=c.scaling, enable_gqa=True)
+        per_layer.append(metrics.error_metrics(out, exact))
+    assert base.cosine == pytest.approx(sum(m.cosine for m in per_layer) / 2, rel=1e-12)
+    assert base.rel_l2 == pytest.approx(sum(m.rel_l2 for m in per_layer) / 2, rel=1e-12)
+    worst = max(range(2), key=lambda i: per_layer[i].rel_l2)
+    assert (base.worst_layer, base.worst_rel_l2) == (caps[worst].layer, pytest.approx(per_layer[worst].rel_l2))
+    assert bench_calibration.best_rule(rows, True) == min(
+        (r for r in rows if r.method.startswith("HiF8")), key=lambda r: r.rel_l2).method.split()[1]
