@@ -118,12 +118,14 @@ PLATFORMS: dict[str, Platform] = {
 }
 
 
-def get_platform(name: str) -> Platform:
-    """The table entry called ``name``, or a ValueError listing the known names."""
+def get_platform(name: str, *, source: str | None = None) -> Platform:
+    """The table entry called ``name``, or a ValueError listing the known names; ``source``
+    (e.g. ``$QFA_PLATFORM``'s name) says in the message where the name came from."""
     try:
         return PLATFORMS[name]
     except KeyError:
-        raise ValueError(f"unknown platform {name!r}; known platforms: {', '.join(PLATFORMS)}") from None
+        given = f"{source}={name!r}" if source else repr(name)
+        raise ValueError(f"unknown platform {given}; known platforms: {', '.join(PLATFORMS)}") from None
 
 
 def _npu_platform(device: torch.device) -> Platform:
@@ -156,13 +158,7 @@ def platform_for(device: torch.device | str) -> Platform:
     device = torch.device(device)
     forced = os.environ.get(ENV_VAR)
     if forced:
-        try:
-            platform = PLATFORMS[forced]
-        except KeyError:
-            raise ValueError(
-                f"{ENV_VAR}={forced!r} is not a known platform; known platforms: {', '.join(PLATFORMS)}"
-            ) from None
-        return _with_cuda_cores(platform, device)
+        return _with_cuda_cores(get_platform(forced, source=ENV_VAR), device)
     if device.type == "npu":
         return _npu_platform(device)
     if device.type == "cuda":
