@@ -1,0 +1,512 @@
+// quant_flash_attn's torch backend on CPU in one parallel region: see qfa/attention/cpu_kernel.py
+// for the numerics and the contract. Built per CPU capability (the flags come from Python).
+//
+// Work items are (batch, kv head, query tile[, key chunk]). A worker runs its item alone: its
+// GEMMs single-threaded (at::mm_out inside the parallel region), and one fused pass per
+// 256-key block for max, exp, row sum, HiF8 rounding and alpha. Items are handed out by an
+// atomic counter, costliest first, so a thread slowed by another process simply takes fewer
+// items. Nothing a thread computes depends on which thread runs it or how many there are.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---- HiF8 rounding of P (the bit rule of qfa/cast/rounding.py; constants passed in) ----------
+
+struct RoundConsts {
+  int32_t band[3];        // |e| limits for 1, 2, 3 kept mantissa bits
+  int32_t min_denormal;   // bit patterns
+  int32_t underflow;
+  int32_t max_bits;
+  int32_t nan_bits;
+};
+
+inline int32_t round_hif8_bits(int32_t bits, const RoundConsts& c) {
+  const int32_t a = bits & 0x7FFF0000;
+  const int32_t cl = a < c.max_bits ? a : c.max_bits;
+  int32_t e = (cl >> 23) - 127;
+  e = e < 0 ? -e : e;
+  const int32_t m = (e <= c.band[0]) + (e <= c.band[1]) + (e <= c.band[2]);
+  const int32_t half = (1 << 22) >> m;
+  int32_t r = (cl + half) & -(half + half);
+  const int32_t below = cl >= c.underflow ? c.min_denormal : 0;
+  r = cl < c.min_denormal ? below : r;
+  r = a == 0x7F800000 ? a : r;
+  r = r == 0 ? r : (r | (bits & static_cast<int32_t>(0x80000000u)));
+  return a > 0x7F800000 ? c.nan_bits : r;
+}
+
+inline void round_row(float* p, int64_t n, const RoundConsts& c) {
+  int32_t* b = reinterpret_cast<int32_t*>(p);
+  for (int64_t j = 0; j < n; ++j) b[j] = round_hif8_bits(b[j], c);
+}
+
+// IEEE maximum (NaN propagates), as torch.maximum / amax.
+inline float max_nan(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
+  return a > b ? a : b;
+}
+
+inline float row_max(const float* s, int64_t n) {
+  int64_t j = 0;
+  float mx = kNegInf;
+  if (n >= Vec::size()) {
+    Vec acc(kNegInf);
+    for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(s + j));
+    alignas(64) float tmp[Vec::size()];
+    acc.store(tmp);
+    for (int i = 0; i < Vec::size(); ++i) mx = max_nan(mx, tmp[i]);
+  }
+  for (; j < n; ++j) mx = max_nan(mx, s[j]);
+  return mx;
+}
+
+// exp over a contiguous array with the vectorised exp inductor uses (Sleef u10), tail included.
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) Vec::loadu(x + j).exp().store(x + j);
+  if (j < n) Vec::loadu(x + j, n - j).exp().store(x + j, n - j);
+}
+
+// ---- aligned scratch --------------------------------------------------------------------------
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<float, FreeDeleter>;
+
+Buffer alloc(int64_t n) {
+  const size_t bytes = ((static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float) + 63) / 64) * 64;
+  return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
+}
+
+// ---- the call -------------------------------------------------------------------------------
+
+struct Call {
+  const uint8_t* q;
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t sq[4], sk[4], sv[4];  // element strides (batch, head, position, dim)
+  int16_t* out;
+  int64_t so[4];
+  float* lse;  // nullptr when not returned
+  int64_t sl[3];  // (batch, head, position) strides of lse
+  int64_t heads_kv, group, dim, block_n;
+  std::vector<int64_t> q_starts, kv_starts, q_lens, kv_lens;
+  bool causal;
+  float dscale, ln_p, v_descale;
+  float decode[256];
+  RoundConsts rc;
+  // Pre-decoded fp32 K and V, per batch: (heads_kv, kv_len, dim), or empty (decode on the fly).
+  std::vector<float*> k_dec, v_dec;
+};
+
+struct Item {
+  int64_t b, h, t0, t1;  // query positions [t0, t1) of batch b, kv head h
+  int64_t c0, c1;        // key blocks [c0, c1)
+  int64_t slot;          // partial-state slot of a split item, -1 if not split
+  int64_t first;         // index of its item's first chunk in the split list (split items)
+  double cost;
+};
+
+struct Scratch {
+  int64_t rows = 0;
+  Buffer q, k, v, s, pv, o, m, l, alpha, prod, rsum;
+  void ensure(int64_t r, int64_t dim, int64_t bn) {
+    if (r <= rows) return;
+    rows = r;
+    q = alloc(r * dim); s = alloc(r * bn); pv = alloc(r * dim); o = alloc(r * dim);
+    m = alloc(r); l = alloc(r); alpha = alloc(r); prod = alloc(r); rsum = alloc(r);
+    if (!k) { k = alloc(bn * dim); v = alloc(bn * dim); }
+  }
+};
+
+inline at::Tensor wrap(float* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// Decode rows [j0, j1) of kv head h of batch b (codes strided) into dst (rows x dim).
+inline void decode_rows(const Call& c, const uint8_t* base, const int64_t* st, int64_t b, int64_t h,
+                        int64_t start, int64_t j0, int64_t j1, float* dst) {
+  const uint8_t* p = base + b * st[0] + h * st[1] + (start + j0) * st[2];
+  for (int64_t j = j0; j < j1; ++j, p += st[2]) {
+    float* d = dst + (j - j0) * c.dim;
+    if (st[3] == 1) {
+      for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x]];
+    } else {
+      for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x * st[3]]];
+    }
+  }
+}
+
+// Q tile rows in (position, group) order: row (i - t0) * G + g holds q head h * G + g.
+void load_q(const Call& c, const Item& it, float* dst) {
+  const int64_t G = c.group;
+  for (int64_t i = it.t0; i < it.t1; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* p = c.q + it.b * c.sq[0] + (it.h * G + g) * c.sq[1] + (c.q_starts[it.b] + i) * c.sq[2];
+      float* d = dst + ((i - it.t0) * G + g) * c.dim;
+      for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x * c.sq[3]]];
+    }
+  }
+}
+
+inline int64_t offset_of(const Call& c, int64_t b) { return c.kv_lens[b] - c.q_lens[b]; }
+
+// Keys the tile's last row sees (causal), or all of them.
+inline int64_t key_end(const Call& c, int64_t b, int64_t t1) {
+  return c.causal ? std::min(c.kv_lens[b], t1 + offset_of(c, b)) : c.kv_lens[b];
+}
+
+// Scores of block c for the rows [lo, R) of the item: into sc.s (ld = block_n). Returns nk.
+int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, const float*& vblk) {
+  const int64_t b = it.b, h = it.h, D = c.dim, BN = c.block_n;
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  const int64_t j0 = blk * BN, j1 = std::min(j0 + BN, c.kv_lens[b]);
+  const int64_t nk = j1 - j0;
+  const float* kblk;
+  if (!c.k_dec.empty() && c.k_dec[b]) {
+    kblk = c.k_dec[b] + (h * c.kv_lens[b] + j0) * D;
+    vblk = c.v_dec[b] + (h * c.kv_lens[b] + j0) * D;
+  } else {
+    decode_rows(c, c.k, c.sk, b, h, c.kv_starts[b], j0, j1, sc.k.get());
+    kblk = sc.k.get();
+    vblk = nullptr;  // decoded by the caller when needed
+  }
+  auto S = wrap(sc.s.get(), R - lo, nk, BN);
+  at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nk, D, D).t());
+  return nk;
+}
+
+// Visible columns of row r in block blk (causal rows that cross the diagonal see a prefix).
+inline int64_t visible(const Call& c, const Item& it, int64_t r, int64_t j0, int64_t nk) {
+  if (!c.causal) return nk;
+  const int64_t pos = it.t0 + r / c.group;
+  return std::min(nk, pos + offset_of(c, it.b) - j0 + 1);
+}
+
+// First row of the item that sees any key of the block at j0 (causal rows skip earlier blocks).
+inline int64_t first_row(const Call& c, const Item& it, int64_t j0) {
+  if (!c.causal) return 0;
+  const int64_t r0 = std::max(it.t0, j0 - offset_of(c, it.b));
+  return std::min(r0, it.t1) - it.t0;
+}
+
+// Pass 1 of a split item: the running max its blocks contribute, per row, into mx (R floats).
+void chunk_max(const Call& c, const Item& it, Scratch& sc, float* mx) {
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  for (int64_t r = 0; r < R; ++r) mx[r] = kNegInf;
+  for (int64_t blk = it.c0; blk < it.c1; ++blk) {
+    const int64_t j0 = blk * c.block_n;
+    const int64_t lo = first_row(c, it, j0) * c.group;
+    if (lo >= R) continue;
+    const float* vblk;
+    const int64_t nk = scores(c, it, blk, lo, sc, vblk);
+    for (int64_t r = lo; r < R; ++r) {
+      const int64_t nv = visible(c, it, r, j0, nk);
+      const float rm = row_max(sc.s.get() + (r - lo) * c.block_n, nv);
+      mx[r] = max_nan(mx[r], rm * c.dscale - c.ln_p);
+    }
+  }
+}
+
+// The online-softmax walk of the item's blocks from running max m (R floats, updated), with l, O
+// and the product of its alphas (prod, for the merge of split items) from l = 0, O = 0, prod = 1.
+void walk(const Call& c, const Item& it, Scratch& sc) {
+  const int64_t D = c.dim, BN = c.block_n;
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  float* m = sc.m.get();
+  float* l = sc.l.get();
+  float* o = sc.o.get();
+  float* prod = sc.prod.get();
+  float* alpha = sc.alpha.get();
+  float* rsum = sc.rsum.get();
+  for (int64_t r = 0; r < R; ++r) { l[r] = 0.f; prod[r] = 1.f; }
+  std::memset(o, 0, sizeof(float) * R * D);
+  for (int64_t blk = it.c0; blk < it.c1; ++blk) {
+    const int64_t j0 = blk * BN;
+    const int64_t lo = first_row(c, it, j0) * c.group;
+    if (lo >= R) continue;
+    const float* vblk;
+    const int64_t nk = scores(c, it, blk, lo, sc, vblk);
+    for (int64_t r = lo; r < R; ++r) {
+      float* s = sc.s.get() + (r - lo) * BN;
+      const int64_t nv = visible(c, it, r, j0, nk);
+      const float rm = row_max(s, nv);
+      const float m_new = max_nan(m[r], rm * c.dscale - c.ln_p);
+      // Rows that have seen no key keep m = -inf; subtract 0 there so exp gives 0, not NaN.
+      const float m_safe = m_new == kNegInf ? 0.f : m_new;
+      const Vec vd(c.dscale), vm(m_safe);
+      int64_t j = 0;
+      for (; j + Vec::size() <= nv; j += Vec::size()) (Vec::loadu(s + j) * vd - vm).store(s + j);
+      if (j < nv) (Vec::loadu(s + j, nv - j) * vd - vm).store(s + j, nv - j);
+      exp_inplace(s, nv);
+      float sum = 0.f;
+      {
+        Vec acc(0.f);
+        int64_t jj = 0;
+        for (; jj + Vec::size() <= nv; jj += Vec::size()) acc = acc + Vec::loadu(s + jj);
+        alignas(64) float tmp[Vec::size()];
+        acc.store(tmp);
+        for (int i = 0; i < Vec::size(); ++i) sum += tmp[i];
+        for (; jj < nv; ++jj) sum += s[jj];
+      }
+      round_row(s, nv, c.rc);
+      for (int64_t jj = nv; jj < nk; ++jj) s[jj] = 0.f;
+      alpha[r] = m[r] - m_safe;
+      rsum[r] = sum;
+      m[r] = m_new;
+    }
+    exp_inplace(alpha + lo, R - lo);
+    for (int64_t r = lo; r < R; ++r) l[r] = alpha[r] * l[r] + rsum[r];
+    if (!vblk) {
+      decode_rows(c, c.v, c.sv, it.b, it.h, c.kv_starts[it.b], j0, j0 + nk, sc.v.get());
+      vblk = sc.v.get();
+    }
+    auto PV = wrap(sc.pv.get(), R - lo, D, D);
+    at::mm_out(PV, wrap(sc.s.get(), R - lo, nk, BN), wrap(const_cast<float*>(vblk), nk, D, D));
+    const Vec vds(c.v_descale);
+    for (int64_t r = lo; r < R; ++r) {
+      const Vec a(alpha[r]);
+      float* orow = o + r * D;
+      const float* prow = sc.pv.get() + (r - lo) * D;
+      for (int64_t x = 0; x < D; x += Vec::size())
+        (Vec::loadu(orow + x) * a + Vec::loadu(prow + x) * vds).store(orow + x);
+      prod[r] = prod[r] * alpha[r];
+    }
+  }
+}
+
+
+inline int16_t bf16_half_away(float x) {
+  if (std::isnan(x)) return static_cast<int16_t>(0x7FC0);
+  int32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return static_cast<int16_t>((bits + 0x8000) >> 16);
+}
+
+// Out and lse of the item's rows from the final (m, l, O): O / l as bf16 (ties away) and
+// m + ln l; rows that saw no key (l == 0) get 0 and +inf, a NaN row stays NaN.
+void finish(const Call& c, const Item& it, const float* m, const float* l, const float* o, float* logl) {
+  const int64_t G = c.group, D = c.dim;
+  const int64_t R = (it.t1 - it.t0) * G;
+  std::memcpy(logl, l, sizeof(float) * R);
+  int64_t j = 0;
+  for (; j + Vec::size() <= R; j += Vec::size()) Vec::loadu(logl + j).log().store(logl + j);
+  if (j < R) Vec::loadu(logl + j, R - j).log().store(logl + j, R - j);
+  const int64_t qs = c.q_starts[it.b];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = it.t0 + r / G, n = it.h * G + r % G;
+    int16_t* dst = c.out + it.b * c.so[0] + n * c.so[1] + (qs + i) * c.so[2];
+    const bool seen = l[r] != 0.f;  // NaN compares unequal: a NaN row stays NaN
+    const float* orow = o + r * D;
+    for (int64_t x = 0; x < D; ++x) dst[x * c.so[3]] = seen ? bf16_half_away(orow[x] / l[r]) : int16_t(0);
+    if (c.lse) c.lse[it.b * c.sl[0] + n * c.sl[1] + (qs + i) * c.sl[2]] = seen ? m[r] + logl[r] : kInf;
+  }
+}
+
+// Hands items out costliest first to whichever thread asks next; one parallel region.
+template <typename F>
+void run_items(int64_t n, const F& fn) {
+  if (n == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch sc;
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, sc);
+  });
+}
+
+std::vector<int64_t> by_cost(const std::vector<Item>& items) {
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+  return order;
+}
+
+struct Partial {
+  std::vector<float> m, l, prod, o;
+};
+
+}  // namespace
+
+// See qfa/attention/cpu_kernel.py for the arguments.
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> strides,
+             at::Tensor& out, std::vector<int64_t> out_strides, at::Tensor& lse, std::vector<int64_t> lse_strides,
+             int64_t heads_kv, int64_t group, int64_t dim, int64_t block_n, std::vector<int64_t> q_starts,
+             std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
+             double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
+             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t min_items, int64_t predecode_bytes) {
+  TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
+  TORCH_CHECK(out.dtype() == at::kBFloat16, "out must be bf16");
+  TORCH_CHECK(dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
+  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
+  TORCH_CHECK(round_consts.size() == 7 && strides.size() == 12 && out_strides.size() == 4 && lse_strides.size() == 3);
+  Call c;
+  c.q = q.data_ptr<uint8_t>(); c.k = k.data_ptr<uint8_t>(); c.v = v.data_ptr<uint8_t>();
+  for (int i = 0; i < 4; ++i) { c.sq[i] = strides[i]; c.sk[i] = strides[4 + i]; c.sv[i] = strides[8 + i]; c.so[i] = out_strides[i]; }
+  c.out = reinterpret_cast<int16_t*>(out.data_ptr<at::BFloat16>());
+  c.lse = lse.numel() ? lse.data_ptr<float>() : nullptr;
+  for (int i = 0; i < 3; ++i) c.sl[i] = lse_strides[i];
+  c.heads_kv = heads_kv; c.group = group; c.dim = dim; c.block_n = block_n;
+  c.q_starts = q_starts; c.kv_starts = kv_starts; c.q_lens = q_lens; c.kv_lens = kv_lens;
+  c.causal = causal;
+  c.dscale = static_cast<float>(dscale); c.ln_p = static_cast<float>(ln_p); c.v_descale = static_cast<float>(v_descale);
+  std::memcpy(c.decode, decode_table.data_ptr<float>(), sizeof(c.decode));
+  c.rc = RoundConsts{{int32_t(round_consts[0]), int32_t(round_consts[1]), int32_t(round_consts[2])},
+                     int32_t(round_consts[3]), int32_t(round_consts[4]), int32_t(round_consts[5]), int32_t(round_consts[6])};
+  const int64_t B = static_cast<int64_t>(q_lens.size());
+  const int64_t T = std::max<int64_t>(1, tile_rows / group);  // query positions per tile
+
+  // Work items: (batch, kv head, query tile); tiles that see no key still write their rows.
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    if (q_lens[b] == 0 || kv_lens[b] == 0) continue;
+    for (int64_t h = 0; h < heads_kv; ++h) {
+      for (int64_t t0 = 0; t0 < q_lens[b]; t0 += T) {
+        const int64_t t1 = std::min(q_lens[b], t0 + T);
+        const int64_t ke = key_end(c, b, t1);
+        const int64_t nb = ke > 0 ? (ke + block_n - 1) / block_n : 0;
+        items.push_back(Item{b, h, t0, t1, 0, nb, -1, -1, double((t1 - t0) * group) * double(std::max<int64_t>(nb, 1))});
+      }
+    }
+  }
+
+  // fp32 K and V decoded once for batches that several tiles read (prefill), within a budget.
+  std::vector<at::Tensor> keep;
+  c.k_dec.assign(B, nullptr); c.v_dec.assign(B, nullptr);
+  {
+    int64_t bytes = 0;
+    std::vector<int64_t> blocks;  // (b, h, block) flattened
+    for (int64_t b = 0; b < B; ++b) {
+      if (q_lens[b] <= T || kv_lens[b] == 0) continue;
+      const int64_t need = kv_lens[b] * heads_kv * dim * 8;
+      if (bytes + need > predecode_bytes) continue;
+      bytes += need;
+      keep.push_back(at::empty({2, heads_kv, kv_lens[b], dim}, at::kFloat));
+      c.k_dec[b] = keep.back().data_ptr<float>();
+      c.v_dec[b] = c.k_dec[b] + heads_kv * kv_lens[b] * dim;
+      for (int64_t h = 0; h < heads_kv; ++h)
+        for (int64_t j0 = 0; j0 < kv_lens[b]; j0 += block_n) blocks.insert(blocks.end(), {b, h, j0});
+    }
+    const int64_t nblk = static_cast<int64_t>(blocks.size()) / 3;
+    if (nblk) {
+      at::parallel_for(0, nblk, 1, [&](int64_t s, int64_t e) {
+        for (int64_t i = s; i < e; ++i) {
+          const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
+          const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);
+          const int64_t off = (h * kv_lens[b] + j0) * dim;
+          decode_rows(c, c.k, c.sk, b, h, kv_starts[b], j0, j1, c.k_dec[b] + off);
+          decode_rows(c, c.v, c.sv, b, h, kv_starts[b], j0, j1, c.v_dec[b] + off);
+        }
+      });
+    }
+  }
+
+  // Too few items to fill the cores (decode): split their keys into chunks of whole blocks. The
+  // split depends only on the shapes, never on the thread count.
+  const int64_t units = static_cast<int64_t>(items.size());
+  std::vector<Item> whole, chunks;
+  std::vector<int64_t> chunk_begin;  // per split item: its first chunk; chunks of an item are contiguous
+  std::vector<Item> split_items;
+  for (const Item& it : items) {
+    const int64_t nb = it.c1 - it.c0;
+    const int64_t want = units < min_items ? (min_items + units - 1) / units : 1;
+    const int64_t n = std::min(nb, want);
+    if (n <= 1) { whole.push_back(it); continue; }
+    chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
+    split_items.push_back(it);
+    for (int64_t x = 0; x < n; ++x) {
+      Item ch = it;
+      ch.c0 = it.c0 + nb * x / n;
+      ch.c1 = it.c0 + nb * (x + 1) / n;
+      ch.slot = static_cast<int64_t>(chunks.size());
+      ch.first = chunk_begin.back();
+      ch.cost = double((it.t1 - it.t0) * group) * double(ch.c1 - ch.c0);
+      chunks.push_back(ch);
+    }
+  }
+
+  // Split items, pass 1: each chunk's contribution to the running max.
+  std::vector<std::vector<float>> cmax(chunks.size());
+  if (!chunks.empty()) {
+    const auto order = by_cost(chunks);
+    run_items(static_cast<int64_t>(chunks.size()), [&](int64_t i, Scratch& sc) {
+      const Item& ch = chunks[order[i]];
+      const int64_t R = (ch.t1 - ch.t0) * group;
+      sc.ensure(R, dim, block_n);
+      load_q(c, ch, sc.q.get());
+      cmax[order[i]].assign(R, kNegInf);
+      chunk_max(c, ch, sc, cmax[order[i]].data());
+    });
+  }
+
+  // Whole items and chunks (pass 2) in one region: a chunk starts from the running max the
+  // sequential walk has before its first block (the max of the earlier chunks' maxima).
+  std::vector<Partial> parts(chunks.size());
+  std::vector<Item> all = whole;
+  all.insert(all.end(), chunks.begin(), chunks.end());
+  const auto order = by_cost(all);
+  run_items(static_cast<int64_t>(all.size()), [&](int64_t i, Scratch& sc) {
+    const Item& it = all[order[i]];
+    const int64_t R = (it.t1 - it.t0) * group;
+    sc.ensure(R, dim, block_n);
+    load_q(c, it, sc.q.get());
+    float* m = sc.m.get();
+    for (int64_t r = 0; r < R; ++r) m[r] = kNegInf;
+    if (it.slot >= 0)
+      for (int64_t x = it.first; x < it.slot; ++x)
+        for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
+    walk(c, it, sc);
+    if (it.slot < 0) {
+      finish(c, it, m, sc.l.get(), sc.o.get(), sc.alpha.get());
+    } else {
+      Partial& p = parts[it.slot];
+      p.m.assign(m, m + R); p.l.assign(sc.l.get(), sc.l.get() + R);
+      p.prod.assign(sc.prod.get(), sc.prod.get() + R); p.o.assign(sc.o.get(), sc.o.get() + R * dim);
+    }
+  });
+
+  // Merge the chunks of each split item in chunk order: l = l * prod_k + l_k, O = O * prod_k + O_k,
+  // where prod_k is the product of chunk k's alphas (the sequential walk applies them one by one).
+  for (size_t s = 0; s < split_items.size(); ++s) {
+    const Item& it = split_items[s];
+    const int64_t R = (it.t1 - it.t0) * group;
+    const int64_t first = chunk_begin[s];
+    const int64_t last = s + 1 < split_items.size() ? chunk_begin[s + 1] : static_cast<int64_t>(chunks.size());
+    Partial acc = parts[first];
+    for (int64_t x = first + 1; x < last; ++x) {
+      const Partial& p = parts[x];
+      for (int64_t r = 0; r < R; ++r) {
+        const float a = p.prod[r];
+        acc.l[r] = acc.l[r] * a + p.l[r];
+        for (int64_t d = 0; d < dim; ++d) acc.o[r * dim + d] = acc.o[r * dim + d] * a + p.o[r * dim + d];
+      }
+      acc.m = p.m;
+    }
+    std::vector<float> logl(R);
+    finish(c, it, acc.m.data(), acc.l.data(), acc.o.data(), logl.data());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/cpu_kernel.py)");
+}

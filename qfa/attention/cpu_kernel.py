@@ -1,0 +1,168 @@
+"""The torch backend's CPU work as one native kernel: ``csrc/cpu_attention.cpp``.
+
+Same contract and numerics as :func:`qfa.attention.torch_path.forward` (the golden reference):
+for each query row, its visible keys in 256-key blocks in ascending order, P rounded to HiF8
+relative to the running max, exact HiF8 products with fp32 accumulation. The work is organised
+the way ATen's own CPU flash attention is: work items of (batch, kv head, query tile), handed
+out to the threads of one parallel region; each worker runs its GEMMs single-threaded
+(``at::mm_out`` inside the region) on cache-resident blocks and one fused pass per block for
+max, exp, row sum, HiF8 rounding and alpha; only blocks that cross the causal diagonal are
+masked. Prefill decodes each batch's K and V to fp32 once (a second, short region); decode reads
+the 1-byte codes of each block directly.
+
+Decode-shaped calls (too few items to fill the cores) split each item's keys into chunks of
+whole 256-key blocks. A chunk starts from the running max the sequential walk has before its
+first block (pass 1 computes each chunk's row maxima; max is exact), so every exponent, every P
+and every HiF8(P) is the sequential walk's, bit for bit. What differs is only fp32
+reassociation in the alphas: the sequential walk applies each block's alpha to l and O in turn,
+``l = (l * a1 + r1) * a2 + r2``; a chunk starts from l = 0, O = 0 and keeps the product of its
+alphas, and the merge, in chunk order, computes ``l = l * (a1 * a2) + ((0 * a1 + r1) * a2 + r2)``
+(the same for O). The split depends only on the shapes, never on the thread count, so the result
+is the same bits on any number of threads.
+
+The extension is compiled on first use (``torch.utils.cpp_extension.load``, into torch's
+extension cache) with the vector flags of the CPU capability torch itself detected; the build
+name carries a hash of the CPU's /proc/cpuinfo flags, so a machine never loads a binary built
+for another CPU. Where no compiler is present or the build fails, :func:`available` says False
+and warns once, and the op runs :mod:`qfa.attention.torch_path`. ``QFA_NATIVE=0`` turns the
+kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from qfa.cast import luts
+from qfa.cast import rounding
+from qfa.tiling.attention import AttentionPlan, lse_shape, normalised_strides
+
+ENV_VAR = "QFA_NATIVE"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_attention.cpp"
+#: GQA rows (query positions x group) per work item: Q, O and the scores of a 256-key block of
+#: one item stay in L2 beside the block's fp32 K and V.
+TILE_ROWS = 128
+#: Below this many (batch, kv head, query tile) items, keys are split (decode). A constant, not
+#: the thread count: the split changes fp32 reassociation, and the bits must not depend on threads.
+MIN_ITEMS = 32
+#: Prefill decodes the K and V that several tiles read to fp32 once, up to this many bytes.
+PREDECODE_BYTES = 1 << 30
+
+_VECTOR_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+# No contraction to FMA: the fused step must round S * dScale and the subtraction separately,
+# as the torch path does.
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+
+
+def cpu_capability() -> str:
+    """The vector ISA the kernel is built for: torch's own detection (AVX512, AVX2 or DEFAULT)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _VECTOR_FLAGS else "DEFAULT"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_name() -> str:
+    """Extension name: capability plus a hash of the CPU flags, torch version and sources."""
+    digest = hashlib.sha1()
+    digest.update(_cpu_flags().encode())
+    digest.update(torch.__version__.encode())
+    return f"qfa_cpu_attention_{cpu_capability().lower()}_{digest.hexdigest()[:12]}"
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    if not SOURCE.is_file():
+        raise FileNotFoundError(f"{SOURCE} (the native kernel's source ships with the repository checkout)")
+    flags = _COMMON_FLAGS + _VECTOR_FLAGS.get(cpu_capability(), [])
+    return load(name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_VAR, "1") != "0"
+
+
+def available() -> bool:
+    """Whether the native kernel runs: built (once, thread-safe) and not disabled by QFA_NATIVE=0."""
+    global _module, _failed
+    if not enabled():
+        return False
+    if _module is not None:
+        return True
+    if _failed:
+        return False
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                _module = _build()
+            except Exception as exc:  # no compiler, no ninja, a build error, ...
+                _failed = True
+                warnings.warn(f"qfa: the native CPU attention kernel is unavailable ({exc!r}); the pure-torch path "
+                              "(qfa.attention.torch_path) runs instead", stacklevel=2)
+    return _module is not None
+
+
+def _round_consts() -> list[int]:
+    return [*rounding.BAND_LIMITS, rounding.MIN_DENORMAL_BITS, rounding.UNDERFLOW_BITS, rounding.MAX_BITS,
+            rounding.NAN_BITS]
+
+
+def forward(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor), as torch_path."""
+    out = torch.zeros(q.shape, dtype=torch.bfloat16, device=q.device)
+    if plan.return_lse:
+        lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), device=q.device)
+    else:
+        lse = torch.empty(0, device=q.device)
+    run_into(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, lse)
+    return out, lse
+
+
+def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, lse, *,
+             min_items: int = MIN_ITEMS, tile_rows: int = TILE_ROWS) -> None:
+    """Write every row the batches own (q_lens of them) into ``out`` / ``lse``; rows past them
+    are left as they are (``forward`` allocates them as 0 / +inf)."""
+    if q.device.type != "cpu":
+        raise ValueError(f"q must be on the CPU for the native kernel, got {q.device}")
+    if not available():
+        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.cpu_kernel.available)")
+    # The scalars as the torch path forms them (fp32 tensor ops), then read exactly.
+    dscale = float((q_descale * k_descale) * plan.softmax_scale)
+    ln_p = float(torch.log(p_scale)) if p_scale is not None else 0.0
+    lse_strides = [0, 0, 0]
+    if lse.numel():
+        lse_strides = [0, *lse.stride()] if plan.layout == "TND" else list(lse.stride())
+    strides = [*plan.strides_q, *plan.strides_kv, *plan.strides_v]
+    table = luts.decode_lut(torch.float32).view(torch.float32)
+    _module.forward(
+        q, k, v, strides, out, list(normalised_strides(out, plan.layout)), lse, lse_strides,
+        plan.heads_kv, plan.group, plan.head_dim, plan.block_n, list(plan.q_starts), list(plan.kv_starts),
+        list(plan.q_lens), list(plan.kv_lens), bool(plan.causal), dscale, ln_p, float(v_descale), table,
+        _round_consts(), tile_rows, min_items, PREDECODE_BYTES,
+    )
