@@ -450,58 +450,6 @@ def test_v_descale_paged(layout):
 # --- The mode-1 attention reference against exact attention ---------------------------------
 
 
-def p8_error_bound(s, v, p_scale, visible, arg_max, n_blocks):
-    """Per output element, the bound on |reference - exact| derived from the arithmetic.
-
-    With p_j = exp(s_j - rowmax) (exact, float64) and l = sum p_j (>= 1), the op's P_j is
-    p_scale * p_j / A_j, where A_j <= 1 is the product of the later alphas; E4M3 rounds it to
-    P_j (1 + d_j) + e_j with |d_j| <= 2^-4 (3 mantissa bits, nearest) and |e_j| <= 2^-10 (half the
-    subnormal step 2^-9), saturation at 448 included (P <= p_scale <= 448 up to exp's rounding).
-    The normaliser is the unquantised sum, so out - exact = sum_j A_j (P8_j - P_j) v_j / (p_scale l):
-        |dout_c| <= 2^-4 T1_c + 2^-10 T2_c / p_scale,  T1 = sum p|v| / l,  T2 = sum |v| / l.
-    fp32 on top: the exponent argument carries <= 8 rounding errors of size 2^-24 * arg_max
-    (S, S * scale, the max, ln p_scale, the subtraction), exp one more ulp, and each of the
-    n_blocks alphas as much again; eps = (n_blocks + 1) * (8 * arg_max + 2) * 2^-24 bounds the
-    relative error of every P, of l, and so (times a few) of each term above. Last, O / l in fp32
-    (2^-24) and the bf16 rounding of the result (2^-8 relative, half of 8 significant bits).
-    """
-    p = np.where(visible, np.exp(s - np.max(np.where(visible, s, -np.inf), axis=-1, keepdims=True)), 0.0)
-    l = p.sum(axis=-1, keepdims=True)
-    t1 = (p @ np.abs(v)) / l
-    t2 = (visible @ np.abs(v)) / l
-    exact = (p @ v) / l
-    eps = (n_blocks + 1) * (8 * arg_max + 2) * 2.0**-24
-    bound = (2.0**-4 + 4 * eps) * t1 + 2.0**-10 * t2 / p_scale + 2 * eps * np.abs(exact)
-    bound = bound * (1 + 2.0**-24) + 2.0**-24 * np.abs(exact)
-    return exact, bound + 2.0**-8 * (np.abs(exact) + bound), np.log(l[..., 0])
-
-
-def check_against_exact(out, lse, q, k, v, *, p_scale, scale, causal, block_n):
-    """Assert the reference's (out, lse) lie within the derived bound of float64 attention on the
-    dequantised q, k, v ((N, S, D) float64 each, GQA by head // G)."""
-    nq, sq, _ = q.shape
-    nkv, skv, _ = k.shape
-    g = nq // nkv
-    ratios = []
-    for h in range(nq):
-        s = (q[h] @ k[h // g].T) * float(np.float32(scale))
-        visible = np.ones((sq, skv), dtype=bool)
-        if causal:
-            visible = np.arange(skv)[None, :] <= np.arange(sq)[:, None] + (skv - sq)
-        seen = visible.any(axis=-1)
-        arg_max = float(np.abs(s).max()) + abs(math.log(p_scale))
-        n_blocks = -(-skv // block_n)
-        exact, bound, ln_l = p8_error_bound(s[seen], v[h // g], p_scale, visible[seen], arg_max, n_blocks)
-        err = np.abs(out[h][seen] - exact)
-        assert (err <= bound).all(), float((err / bound).max())
-        ratios.append(float((err / bound).max()))
-        assert (out[h][~seen] == 0).all() and np.isposinf(lse[h][~seen]).all()
-        exact_lse = np.max(np.where(visible[seen], s[seen], -np.inf), axis=-1) + ln_l
-        eps = (n_blocks + 1) * (8 * arg_max + 2) * 2.0**-24
-        assert (np.abs(lse[h][seen] - exact_lse) <= 2 * eps + 2.0**-22 * (arg_max + np.abs(exact_lse))).all()
-    return max(ratios)
-
-
 def mx_inputs(nq, nkv, sq, skv, d, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(nq, sq, d, generator=g) * torch.rand(1, 1, d, generator=g) * 4  # channel spread
@@ -522,7 +470,7 @@ def mx_inputs(nq, nkv, sq, skv, d, seed):
 def test_mxfp8_reference_vs_exact_attention(nq, nkv, sq, skv, d, p_scale, causal, block_n):
     args, (q, k, v) = mx_inputs(nq, nkv, sq, skv, d, seed=d + skv)
     out, lse = m16.mxfp8_attention(*args, p_scale=p_scale, causal=causal, block_n=block_n)
-    worst = check_against_exact(out, lse, q, k, v, p_scale=p_scale, scale=1 / math.sqrt(d), causal=causal,
+    worst = m16.check_against_exact(out, lse, q, k, v, p_scale=p_scale, scale=1 / math.sqrt(d), causal=causal,
                                 block_n=block_n)
     assert worst > 0  # P was really rounded (the bound is not met by exact equality)
 
