@@ -108,7 +108,7 @@ def test_per_token_head_q_matches_spec():
     x[3, 4] = 2.0**-149  # amax / 448 underflows to 0: scale 1, elements 0
     keep = x.clone()
     elements, scale = fp8.quantize_per_token_head(x)
-    assert torch.equal(x, keep) or torch.equal(x.isnan(), keep.isnan())
+    assert torch.equal(x.view(torch.int32), keep.view(torch.int32))  # the input is not modified
     assert elements.dtype == E4M3 and elements.shape == x.shape
     assert scale.dtype == torch.float32 and scale.shape == (4, 9)
     want_e, want_s = spec_quantize(x, np.arange(4 * 9).repeat(128))
@@ -143,8 +143,8 @@ def test_row_max_lands_on_448_or_saturates():
     elements, got_scale = fp8.quantize_per_token_head(x)
     assert np.array_equal(got_scale.numpy(), scale)
     top = values(elements)[:, 0]
-    assert np.array_equal(top, grid_round(np.minimum(quotient, 448)))
-    assert (values(elements)[:, 1] == -top).all() and ((top == 448) | (top == 416)).all()
+    assert np.array_equal(top, grid_round(quotient)) and (top == 448).all()
+    assert (values(elements)[:, 1] == -448).all()
 
 
 def test_ties_in_a_row_with_unit_scale():

@@ -64,11 +64,16 @@ def check_output_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return dtype
 
 
+def check_dtype(value, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` if it is a tensor of ``dtype``; TypeError naming ``name`` otherwise."""
+    require_tensor(value, name)
+    if value.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {value.dtype}")
+    return value
+
+
 def check_e4m3(elements, name: str) -> torch.Tensor:
-    require_tensor(elements, name)
-    if elements.dtype != E4M3:
-        raise TypeError(f"{name} must be torch.float8_e4m3fn, got {elements.dtype}")
-    return elements
+    return check_dtype(elements, name, E4M3)
 
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -152,9 +157,7 @@ def normalise_axis(axis, ndim: int, name: str = "axis") -> int:
 
 
 def _check_scale(scale, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    require_tensor(scale, name)
-    if scale.dtype != torch.float32:
-        raise TypeError(f"{name} must be torch.float32, got {scale.dtype}")
+    check_dtype(scale, name, torch.float32)
     if tuple(scale.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(scale.shape)}")
     return scale

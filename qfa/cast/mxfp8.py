@@ -39,14 +39,15 @@ import torch
 from qfa.cast.fp8 import (
     E4M3_NAN_CODE,
     binade,
+    check_dtype,
     check_e4m3,
     check_float_input,
     check_output_dtype,
     normalise_axis,
+    pow2,
     round_to_e4m3,
     with_nan,
 )
-from qfa.tiling.checks import require_tensor
 
 E8M0: Final = torch.float8_e8m0fnu
 #: Values sharing one scale.
@@ -73,10 +74,7 @@ V_KEY_AXIS: Final = {"TND": 0, "PA_BBND": 1, "PA_BNBD": 2, "PA_NZ": 3}
 
 
 def _check_e8m0(scales, name: str) -> torch.Tensor:
-    require_tensor(scales, name)
-    if scales.dtype != E8M0:
-        raise TypeError(f"{name} must be torch.float8_e8m0fnu, got {scales.dtype}")
-    return scales
+    return check_dtype(scales, name, E8M0)
 
 
 def _codes(scales: torch.Tensor) -> torch.Tensor:
@@ -117,7 +115,7 @@ def quantize(x: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch.Tenso
     code = torch.where(nonfinite, torch.zeros_like(code), code)
     # x / 2^(code - 127) as x * 2^(127 - code): the multiplier is a normal fp32 (code <= 246), and
     # a power-of-two product is exact.
-    multiplier = ((2 * E8M0_BIAS - code) << 23).view(torch.float32)
+    multiplier = pow2(E8M0_BIAS - code)
     elements = round_to_e4m3(padded * multiplier.unsqueeze(-1))
     elements = with_nan(elements, nonfinite.unsqueeze(-1))
     elements = elements.reshape(*lead, nb * BLOCK)[..., :n].movedim(-1, axis).contiguous()
