@@ -75,13 +75,6 @@ def check_positive_float(value, name: str) -> float:
     return float(value)
 
 
-def check_p_scale_value(value: float) -> float:
-    """p_scale's value (read from its tensor, or given as a number): finite and > 0."""
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"p_scale must be a finite value > 0 (it enters as -ln(p_scale)), got {value}")
-    return value
-
-
 def check_sequence_lengths(layout: str, *, batch: int | None = None, device: torch.device | None = None,
                            cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None,
                            max_batch: int | None = None) -> int | None:

@@ -38,15 +38,15 @@ def softmax_scale_value(softmax_scale) -> Optional[float]:
 
 
 def p_scale_tensor(p_scale, device: torch.device) -> Optional[torch.Tensor]:
-    """``p_scale`` as the op takes it: None, or an fp32 (1,) tensor (a number is put in one)."""
+    """``p_scale`` as the op takes it: None, or an fp32 (1,) tensor (a number is put in one).
+    Its value is the op's to check, so the rule (and its message) stays in one place."""
     if p_scale is None:
         return None
     if isinstance(p_scale, torch.Tensor):
         checks.check_device(p_scale, "p_scale", device)
-        return checks.check_scalar_fp32(p_scale, "p_scale")  # its value is the op's to check
+        return checks.check_scalar_fp32(p_scale, "p_scale")
     if isinstance(p_scale, bool) or not isinstance(p_scale, (int, float)):
         raise TypeError(f"p_scale must be None, a float or an fp32 tensor of shape (1,), got {type(p_scale).__name__}")
-    checks.check_p_scale_value(float(p_scale))
     return torch.full((1,), float(p_scale), dtype=torch.float32, device=device)
 
 
