@@ -24,7 +24,8 @@ out = O / l -> bf16, rounded half away from zero (as mode 0); lse = m + ln(l).
 Rows that see no key: out 0, lse +inf.
 
 Arithmetic: the dot products in float64, where they are exact (products of two E4M3 values have
-8 significant bits and span 2^-18 .. 2^18, so 32 or 128 of them add up exactly in 53 bits), S
+8 significant bits and span 2^-18 .. 2^18, so 32 or 128 of them add up exactly in 53 bits); the
+scaled sum over groups (mode 1) or the product with the two scales (mode 6) in float64, and S
 then rounded to fp32 once; the doc's fp32 steps where they decide a value (the running max, the
 exponent argument, P, alpha, out = O / l, lse); l and O in float64. What remains different from
 an implementation is fp32 summation order and exp's last ulp.

@@ -8,9 +8,11 @@ for the byte c = 0..254, 0xFF = NaN, no zero) and stores each value as an FP8 E4
   never from a float log2 (a value just below 2^k has exponent k - 1). The clamp at -127 is
   Ascend's reference helper; it covers amax = 0 (the smallest scale, 2^-127) and every fp32
   subnormal amax (their exponent is below -126, so the clamp decides).
-* ``elements = E4M3(x / scale)``: nearest, ties to even, saturating at +-448 (x / scale is below
-  512, so only the top binade can saturate); the sign of zero is kept. Dividing by a power of two
-  is exact, so no value is rounded twice.
+* ``elements = E4M3(x / scale)``: nearest, ties to even, saturating at +-448; the sign of zero is
+  kept. Dividing by a power of two is exact, so no value is rounded twice. amax / scale lies in
+  [256, 512), so a block's largest values in [448, 512) * scale become 448 * scale (up to 12.5 %
+  off: OCP's choice of the scale, not a rounding step); everything else is within half an E4M3
+  step (2^-4 relative, 2^-10 * scale among the subnormals).
 * A block holding a NaN or an +-Inf gets the NaN scale (0xFF), the OCP reference's rule
   (microsoft/microxcaling; torchao instead clamps Inf to 448), and NaN elements: it dequantises
   to NaN throughout.
