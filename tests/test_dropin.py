@@ -1,5 +1,7 @@
 """hif8_attention and HiF8Attention: K smoothing, LSE correction, dtypes, GQA, causal alignment,
-layouts, padding, the module's calibrate/freeze/state_dict cycle, bad inputs.
+layouts, padding, the module's calibrate/freeze/state_dict cycle (and static scales at
+construction), bad inputs, the same message as quant_flash_attn for the same mistake, and
+upstream's argument names with the old ones as deprecated aliases.
 
 Shapes stay small (every tensor under 2^16 elements, so the HiF8 cast runs eagerly) and odd
 where it matters (37, 67 keys: not multiples of the op's 256-key block).

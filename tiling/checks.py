@@ -123,25 +123,28 @@ def check_sequence_lengths(layout: str, *, batch: int | None = None, device: tor
     return batch
 
 
-def cumulative_lengths(cu: list[int], name: str, total: int) -> list[int]:
-    """Per-sequence lengths from the values of a cu_seqlens (leading 0, non-decreasing, ending
-    at the tensor's token count ``total``)."""
+def cumulative_lengths(cu: list[int], name: str, total: int | None) -> list[int]:
+    """Per-sequence lengths from the values of a cu_seqlens: a leading 0, non-decreasing, and
+    ending at the tensor's token count ``total`` (unchecked when None: no tensor yet)."""
     if cu[0] != 0:
         raise ValueError(f"{name} must start with 0, got {cu[0]}")
     lens = [b - a for a, b in zip(cu, cu[1:])]
     if any(n < 0 for n in lens):
         raise ValueError(f"{name} must be non-decreasing, got {cu}")
-    if cu[-1] != total:
+    if total is not None and cu[-1] != total:
         raise ValueError(f"{name}[-1] must equal the token count {total} of the tensor, got {cu[-1]}")
     return lens
 
 
-def apply_seqused(lens: list[int], seqused, name: str) -> list[int]:
-    """The used lengths: ``seqused``'s values (a host read), each within its sequence's length."""
-    if seqused is None:
+def apply_seqused(lens: list[int] | None, used: list[int] | None, name: str) -> list[int] | None:
+    """The used lengths ``used`` (a seqused's values), each within its sequence's length in
+    ``lens`` (or only >= 0 when the lengths are not known yet); ``lens`` when there is no seqused."""
+    if used is None:
         return lens
-    used = int32_vector(seqused, name, len(lens))
-    for b, (u, n) in enumerate(zip(used, lens)):
-        if not 0 <= u <= n:
-            raise ValueError(f"{name}[{b}] must be in [0, {n}] (the sequence's length), got {u}")
+    if lens is not None:
+        for b, (u, n) in enumerate(zip(used, lens)):
+            if not 0 <= u <= n:
+                raise ValueError(f"{name}[{b}] must be in [0, {n}] (the sequence's length), got {u}")
+    elif any(u < 0 for u in used):
+        raise ValueError(f"{name} must hold lengths >= 0, got {used}")
     return used

@@ -30,8 +30,9 @@ def _check_length_values(c: DropinCall) -> None:
     else:
         seq_axis = 2 if c.layout == "BNSD" else 1
         q_lens, kv_lens = [c.q.shape[seq_axis]] * c.q.shape[0], [c.k.shape[seq_axis]] * c.q.shape[0]
-    checks.apply_seqused(q_lens, c.seqused_q, "seqused_q")
-    checks.apply_seqused(kv_lens, c.seqused_kv, "seqused_kv")
+    for lens, used, name in ((q_lens, c.seqused_q, "seqused_q"), (kv_lens, c.seqused_kv, "seqused_kv")):
+        if used is not None:
+            checks.apply_seqused(lens, checks.int32_vector(used, name, len(lens)), name)
 
 
 def _scales(c: DropinCall, tensors) -> list[torch.Tensor]:
