@@ -23,8 +23,9 @@ def test_help_lists_every_command():
 
 def test_demo_prints_both_formats_and_writes_the_chart(tmp_path):
     chart = tmp_path / "demo.png"
-    out = qfa("demo", "--seq", "128", "--out", str(chart))
-    assert "HiF8" in out and "FP8 E4M3" in out and "cosine" in out
+    out = qfa("demo", "--seq", "128", "--heads", "4:2", "--out", str(chart))
+    assert "HiF8" in out and "FP8 E4M3" in out and "cosine" in out and "(Nq, Nkv)=(4, 2), S=128" in out
+    assert "first call" in out and "median" in out
     assert chart.exists() and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(chart) in out
 
@@ -71,7 +72,8 @@ def test_unknown_command_fails():
 
 @pytest.mark.parametrize("args", [["bench", "cast", "--sizes", "x"], ["bench", "cast", "--sizes", "1.5K"],
                                   ["bench", "cast", "--sizes", "4G"], ["bench", "cast", "--sizes", "1K,0"],
-                                  ["demo", "--seq", "-"], ["demo", "--heads", "12,5"], ["demo", "--heads", "12"],
+                                  ["demo", "--seq", "-"], ["demo", "--heads", "12:5"], ["demo", "--heads", "12"],
+                                  ["demo", "--heads", "12:2,4:1"],
                                   ["bench", "attention", "--heads", "12:5"], ["bench", "attention", "--heads", "12"]])
 def test_bad_arguments_fail_cleanly(args):
     done = subprocess.run([sys.executable, "-m", "qfa", *args], capture_output=True, text=True)

@@ -14,6 +14,7 @@ from qfa.tools import metrics, text
 from qfa.tools.bench import attention as bench_attention
 from qfa.tools.bench import calibration as bench_calibration
 from qfa.tools.bench.timing import human_count, parse_count
+from qfa.tools.workloads import head_pairs
 
 # ----------------------------------------------------------------------------- metrics
 
@@ -76,6 +77,17 @@ def test_parse_count_accepts_suffixes_and_plain_integers():
 def test_parse_count_rejects(bad):
     with pytest.raises(ValueError, match="positive element count"):
         parse_count(bad)
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def test_head_pairs():
+    assert head_pairs("12:2,32:8") == [(12, 2), (32, 8)] and head_pairs("4:4") == [(4, 4)]
+    for bad, match in (("12", "Nq:Nkv pairs"), ("12:2:1", "Nq:Nkv pairs"), ("a:b", "Nq:Nkv pairs"),
+                       ("12:5", "multiple"), ("2:4", "multiple"), ("0:0", "multiple"), ("12:2,", "Nq:Nkv")):
+        with pytest.raises(ValueError, match=match):
+            head_pairs(bad)
 
 
 # ----------------------------------------------------------------------------- bench attention

@@ -22,19 +22,21 @@ from qfa.tools.metrics import error_metrics, relative_l2
 
 
 def _heads(text: str) -> tuple[int, int]:
-    """'12,2' -> (12, 2): q heads and kv heads, q a positive multiple of kv."""
+    """'12:2' -> (12, 2): one (q heads, kv heads) pair."""
+    from qfa.tools.workloads import head_pairs
+
     try:
-        hq, hkv = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected Nq,Nkv like 12,2, got {text!r}") from None
-    if hkv < 1 or hq < hkv or hq % hkv:
-        raise argparse.ArgumentTypeError(f"Nq must be a positive multiple of Nkv, got {text!r}")
-    return hq, hkv
+        pairs = head_pairs(text)
+    except ValueError as exc:  # argparse prints the message, with usage, and exits 2
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if len(pairs) != 1:
+        raise argparse.ArgumentTypeError(f"expected one Nq:Nkv pair like 12:2, got {text!r}")
+    return pairs[0]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
-    parser.add_argument("--heads", type=_heads, default=(12, 2), help="q heads,kv heads (default 12,2)")
+    parser.add_argument("--heads", type=_heads, default=(12, 2), help="q heads:kv heads (default 12:2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="qfa-report/demo.png", help="where to write the chart")
 

@@ -31,3 +31,19 @@ def uniform_qkv(batch: int, heads_q: int, heads_kv: int, seq: int, head_dim: int
     gen = torch.Generator().manual_seed(seed)
     shape = lambda n: (batch, n, seq, head_dim)  # noqa: E731
     return tuple(torch.rand(shape(n), generator=gen) * 2 - 1 for n in (heads_q, heads_kv, heads_kv))
+
+
+def head_pairs(text: str) -> list[tuple[int, int]]:
+    """``"12:2,32:8"`` -> ``[(12, 2), (32, 8)]``: q heads and kv heads (GQA), q a positive
+    multiple of kv; a ValueError names the item that is not such a pair."""
+    pairs = []
+    for item in text.split(","):
+        try:
+            hq, hkv = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise ValueError(f"expected Nq:Nkv pairs like 12:2,32:8, got {item!r}") from None
+        if hkv < 1 or hq < hkv or hq % hkv:
+            raise ValueError(f"Nq must be a positive multiple of Nkv, got {item!r}")
+        pairs.append((hq, hkv))
+    return pairs
+
