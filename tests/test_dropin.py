@@ -710,3 +710,31 @@ def test_the_public_names_are_upstreams():
     assert {"softmax_scale", "return_softmax_lse"} <= set(params) and not {"scale", "return_lse"} & set(params)
     assert "return_softmax_lse" in inspect.signature(qfa.HiF8Attention.forward).parameters
     assert {"softmax_scale", "scales", "static"} <= set(inspect.signature(qfa.HiF8Attention).parameters)
+
+
+def test_length_checks_read_no_values():
+    """check_sequence_lengths on meta tensors (which hold no values: reading one raises) and on
+    a q it knows only by shape: the static rules need no device sync."""
+    from qfa.tiling.checks import check_sequence_lengths
+
+    meta = torch.device("meta")
+    cu = torch.empty(4, dtype=torch.int32, device=meta)
+    used = torch.empty(3, dtype=torch.int32, device=meta)
+    assert check_sequence_lengths("TND", device=meta, cu_seqlens_q=cu, cu_seqlens_kv=cu, seqused_kv=used) == 3
+    assert check_sequence_lengths("BNSD", batch=3, device=meta, seqused_q=used) == 3
+    # a caller without q (a plan made before the tensors): B from seqused, one device for all
+    assert check_sequence_lengths("BSND", seqused_kv=used) == 3
+    assert check_sequence_lengths("BSND") is None
+    with pytest.raises(ValueError, match=r"^cu_seqlens and seqused tensors must share one device"):
+        check_sequence_lengths("TND", cu_seqlens_q=cu, cu_seqlens_kv=_i32(0, 1, 2, 3))
+    with pytest.raises(ValueError, match=r"^batch size B must be in \[1, 2\], got 3"):
+        check_sequence_lengths("TND", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_batch=2)
+    with pytest.raises(ValueError, match=r"^seqused_q must have shape \(2,\), got \(3,\)"):
+        check_sequence_lengths("BNSD", batch=2, seqused_q=_i32(1, 2, 3))
+
+
+def test_module_observe_checks_the_length_values_like_the_op():
+    q, k, v = (_tnd(t) for t in make_qkv(nq=4, nkv=2, sq=8, skv=8))
+    attn = HiF8Attention(layout="TND")
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv must be non-decreasing, got \[0, 6, 3\]"):
+        attn.observe(q, k, v, cu_seqlens_q=_i32(0, 5, 8), cu_seqlens_kv=_i32(0, 6, 3))

@@ -27,8 +27,9 @@ DEPRECATED_NAMES = {"scale": "softmax_scale", "return_lse": "return_softmax_lse"
 
 def take_deprecated(deprecated: dict, given: dict, function: str, stacklevel: int = 3) -> dict:
     """``given`` (new name -> value, as passed) updated with the deprecated spellings in
-    ``deprecated``: each warns (DeprecationWarning naming the new name); passing an old name
-    with its new one set is a TypeError, and so is any other unknown keyword."""
+    ``deprecated``: each warns (DeprecationWarning naming the new name). Passing an old name
+    with its new one set to anything but its default is a TypeError (the default cannot be told
+    from not passing it), and so is any other unknown keyword."""
     for old, value in deprecated.items():
         new = DEPRECATED_NAMES.get(old)
         if new is None or new not in given:

@@ -25,7 +25,7 @@ from qfa.attention import calibration as cal
 OP_NAME = "qfa::hif8_attention"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no truth value to compare
 class DropinCall:
     """The arguments of one :func:`qfa.hif8_attention` call, after its checks."""
 

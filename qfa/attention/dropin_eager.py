@@ -13,26 +13,10 @@ import torch
 from qfa.attention import calibration as cal
 from qfa.attention import rotation
 from qfa.attention.dropin_call import DropinCall
+from qfa.attention.dropin_inputs import check_length_values
 from qfa.attention.op import quant_flash_attn
 from qfa.attention.smoothing import lse_shift, prepare, valid_parts
-from qfa.tiling import checks
 from qfa.tiling.spec import MaskMode, QuantMode, default_softmax_scale
-
-
-def _check_length_values(c: DropinCall) -> None:
-    """The per-sequence lengths' values, with the op's messages, before the K means use them."""
-    if c.layout == "TND":
-        batch = c.cu_seqlens_q.shape[0] - 1
-        q_lens = checks.cumulative_lengths(checks.int32_vector(c.cu_seqlens_q, "cu_seqlens_q", batch + 1),
-                                           "cu_seqlens_q", c.q.shape[0])
-        kv_lens = checks.cumulative_lengths(checks.int32_vector(c.cu_seqlens_kv, "cu_seqlens_kv", batch + 1),
-                                            "cu_seqlens_kv", c.k.shape[0])
-    else:
-        seq_axis = 2 if c.layout == "BNSD" else 1
-        q_lens, kv_lens = [c.q.shape[seq_axis]] * c.q.shape[0], [c.k.shape[seq_axis]] * c.q.shape[0]
-    for lens, used, name in ((q_lens, c.seqused_q, "seqused_q"), (kv_lens, c.seqused_kv, "seqused_kv")):
-        if used is not None:
-            checks.apply_seqused(lens, checks.int32_vector(used, name, len(lens)), name)
 
 
 def _scales(c: DropinCall, tensors) -> list[torch.Tensor]:
@@ -50,8 +34,7 @@ def _scales(c: DropinCall, tensors) -> list[torch.Tensor]:
 
 def run(c: DropinCall) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one call; ``lse`` is an empty fp32 (0,) tensor unless requested."""
-    if c.layout == "TND" or c.seqused_q is not None or c.seqused_kv is not None:
-        _check_length_values(c)
+    check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
     tensors, mu = prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv, seqused_kv=c.seqused_kv,
                           smooth_k=c.smooth_k, rotate=c.rotate)
     scales = _scales(c, tensors)

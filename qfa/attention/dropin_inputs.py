@@ -3,7 +3,9 @@
 The rules the drop-in shares with ``quant_flash_attn`` (shapes, per-sequence lengths, devices,
 softmax_scale, p_scale) are the op's own, from ``qfa.tiling``: the same mistake gets the same
 message from both. What is the drop-in's alone (float dtypes, the per-tensor scales, the
-calibration rule) is here. Nothing reads a tensor's value, so ``torch.compile`` traces it all.
+calibration rule) is here. Nothing but :func:`check_length_values` reads a tensor's value, so
+``torch.compile`` traces the rest; that one runs in the computation, before the K means use the
+lengths (inside the custom op under ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ def check_qkv(q, k, v, layout: str, cu_seqlens_q=None, cu_seqlens_kv=None, sequs
     return checks.check_sequence_lengths(layout, batch=None if layout == "TND" else q.shape[0], device=q.device,
                                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                                          seqused_q=seqused_q, seqused_kv=seqused_kv, max_batch=MAX_BATCH)
+
+
+def check_length_values(q, k, layout: str, cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None,
+                        seqused_kv=None) -> None:
+    """The values of cu_seqlens and seqused (a host read), by the op's rules and messages."""
+    if layout == "TND":
+        batch = cu_seqlens_q.shape[0] - 1
+        q_lens = checks.cumulative_lengths(checks.int32_vector(cu_seqlens_q, "cu_seqlens_q", batch + 1),
+                                           "cu_seqlens_q", q.shape[0])
+        kv_lens = checks.cumulative_lengths(checks.int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1),
+                                            "cu_seqlens_kv", k.shape[0])
+    else:
+        seq_axis = 2 if layout == "BNSD" else 1
+        q_lens, kv_lens = [q.shape[seq_axis]] * q.shape[0], [k.shape[seq_axis]] * q.shape[0]
+    for lens, used, name in ((q_lens, seqused_q, "seqused_q"), (kv_lens, seqused_kv, "seqused_kv")):
+        if used is not None:
+            checks.apply_seqused(lens, checks.int32_vector(used, name, len(lens)), name)
 
 
 def softmax_scale_value(softmax_scale) -> Optional[float]:

@@ -96,7 +96,9 @@ class HiF8Attention(nn.Module):
 
     def observe(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None) -> None:
         """Record one batch's statistics (what would be quantised) without computing attention."""
-        dropin_inputs.check_qkv(q, k, v, self.layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv)
+        lengths = (cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv)
+        dropin_inputs.check_qkv(q, k, v, self.layout, *lengths)
+        dropin_inputs.check_length_values(q, k, self.layout, *lengths)
         if self._observers is None:
             self.start_calibration()
         tensors, _ = prepare(q, k, v, layout=self.layout, cu_seqlens_kv=cu_seqlens_kv, seqused_kv=seqused_kv,
