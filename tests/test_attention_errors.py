@@ -134,14 +134,43 @@ def re_shape(shape) -> str:
     (scale(shape=()), ValueError, r"^p_scale must have shape \(1,\), got \(\)"),
     (scale(shape=(2,)), ValueError, r"^p_scale must have shape \(1,\), got \(2,\)"),
     (1.0, TypeError, r"^p_scale must be a torch\.Tensor, got float"),
-    (torch.zeros(1), ValueError, r"^p_scale must be a finite value > 0 .*got 0\.0"),
-    (torch.full((1,), -2.0), ValueError, r"^p_scale must be a finite value > 0 .*got -2\.0"),
-    (torch.full((1,), float("nan")), ValueError, r"^p_scale must be a finite value > 0 .*got nan"),
-    (torch.full((1,), float("inf")), ValueError, r"^p_scale must be a finite value > 0 .*got inf"),
-], ids=["fp64", "fp16", "0-d", "2", "float", "zero", "negative", "nan", "inf"])
+    (torch.zeros(1), ValueError, r"^p_scale must be in \[2\^-15, 2\^15\] .*got 0$"),
+    (torch.full((1,), -2.0), ValueError, r"^p_scale must be in \[2\^-15, 2\^15\] .*got -2$"),
+    (torch.full((1,), float("nan")), ValueError, r"^p_scale must be in \[2\^-15, 2\^15\] .*got nan"),
+    (torch.full((1,), float("inf")), ValueError, r"^p_scale must be in \[2\^-15, 2\^15\] .*got inf"),
+    (torch.full((1,), 1e38), ValueError, r"^p_scale must be in \[2\^-15, 2\^15\] .*got 1e\+38"),
+    (torch.full((1,), 1e-45), ValueError, r"^p_scale must be in \[2\^-15, 2\^15\] .*got 1\.4013e-45"),
+    (torch.full((1,), 40000.0), ValueError, r"^p_scale must be in \[2\^-15, 2\^15\] .*got 40000"),
+], ids=["fp64", "fp16", "0-d", "2", "float", "zero", "negative", "nan", "inf", "1e38", "1e-45", "40000"])
 def test_p_scale(bad, error, match):
     with pytest.raises(error, match=match):
         call(good_bnsd(), p_scale=bad)
+
+
+@pytest.mark.parametrize("p", [2.0**-15, 2.0**15, 1.0, 104.0])
+def test_p_scale_range_edges_are_accepted(p):
+    call(good_bnsd(), p_scale=torch.full((1,), p))
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("q_descale", -1.0, r"^q_descale must be a finite value > 0, got -1$"),
+    ("k_descale", 0.0, r"^k_descale must be a finite value > 0, got 0$"),
+    ("v_descale", float("nan"), r"^v_descale must be a finite value > 0, got nan"),
+    ("k_descale", float("inf"), r"^k_descale must be a finite value > 0, got inf"),
+    ("q_descale", 1e38, r"^softmax_scale \* q_descale \* k_descale must be <= 2\.48e\+27 .*got 8\.8"),
+    ("v_descale", 1e33, r"^v_descale must be <= .* for this call \(FLT_MAX / \(1\.25 \* 32768 \* max Skv"),
+], ids=["q-negative", "k-zero", "v-nan", "k-inf", "q-1e38", "v-1e33"])
+def test_descale_values(name, value, match):
+    args = good_bnsd()
+    index = {"q_descale": 3, "k_descale": 4, "v_descale": 5}[name]
+    args[index] = torch.full((1,), value)
+    with pytest.raises(ValueError, match=match):
+        call(args)
+
+
+def test_softmax_scale_that_overflows_the_scores():
+    with pytest.raises(ValueError, match=r"^softmax_scale \* q_descale \* k_descale must be <= "):
+        call(good_bnsd(), softmax_scale=1e300)
 
 
 # --- quant_mode, layout, mask_mode, softmax_scale, backend -----------------------------------------

@@ -268,4 +268,4 @@ def test_planning_without_metadata_reads_the_lengths(monkeypatch):
     q, k, v, lens = tnd_case()
     with count_host_reads(monkeypatch) as reads:
         tiling.plan_attention(q, k, v, *scales(), 0, layout="TND", p_scale=torch.ones(1), **lens)
-    assert reads.get("tolist", 0) >= 3 and reads.get("item", 0) >= 1
+    assert reads.get("tolist", 0) >= 4  # cu_seqlens_q, cu_seqlens_kv, seqused_q, the scales

@@ -28,6 +28,7 @@ from functools import cached_property
 
 import torch
 
+from qfa.cast import format as fmt
 from qfa.cast.api import as_codes
 from qfa.tiling.checks import check_bool, check_int32_vector, check_scalar_fp32, int32_vector, require_tensor
 from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
@@ -53,6 +54,13 @@ MAX_GROUP = 64
 MAX_BATCH = 65535
 #: Query tiles one sequence may have along the grid's second axis (CUDA's limit there).
 MAX_QUERY_TILES = 65535
+FP32_MAX = torch.finfo(torch.float32).max
+#: Valid p_scale: HiF8's normal binades, [2^-15, 2^15].
+P_SCALE_RANGE = (fmt.MIN_NORMAL, fmt.MAX)
+#: |Q . K| of two HiF8 vectors is at most D * 32768^2 = 2^37; dScale beyond this overflows.
+MAX_DSCALE = FP32_MAX / (HEAD_DIM * fmt.MAX**2)
+#: HiF8(P) <= P_OVERSHOOT * P: rounding up by half a step of the 1-mantissa-bit binades.
+P8_OVERSHOOT = 1.25
 
 # Positions of (batch, seq, head, dim) in each layout's shape; TND has no batch axis.
 _AXES = {"BNSD": {"b": 0, "n": 1, "s": 2, "d": 3}, "BSND": {"b": 0, "s": 1, "n": 2, "d": 3}, "TND": {"s": 0, "n": 1, "d": 2}}
@@ -349,6 +357,10 @@ def plan_metadata(
         raise ValueError(f"cu_seqlens and seqused tensors must share one device, got {sorted(map(str, devices))}")
 
     # The host reads, after every static check.
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device, but planning reads its values: pass it on a real "
+                             f"device (the CPU or q's)")
     q_lens = kv_lens = q_starts = kv_starts = None
     if layout == "TND":
         cu_q_list = int32_vector(cu_seqlens_q, "cu_seqlens_q", batch + 1)
@@ -510,13 +522,46 @@ def host_reads_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def check_scale_values(p_scale) -> None:
-    """Value checks of the scales (a host read: done on CPU, and on devices only when planning
-    without ready metadata)."""
-    if p_scale is not None and p_scale.device.type != "meta":
-        p_value = float(p_scale.item())
-        if not (math.isfinite(p_value) and p_value > 0):
-            raise ValueError(f"p_scale must be a finite value > 0 (it enters as -ln(p_scale)), got {p_value}")
+def check_scale_values(plan: "AttentionPlan", q_descale, k_descale, v_descale, p_scale) -> None:
+    """The scales' values against the ranges the numerics handle (one host read of 4 floats).
+
+    Outside these ranges the op would return a silent wrong answer, so they are errors:
+
+    * every descale finite and > 0 (a negative one would turn the running max into a min);
+    * dScale = softmax_scale * q_descale * k_descale <= FLT_MAX / (128 * 32768^2), so no scaled
+      score S * dScale overflows before the running max is subtracted;
+    * p_scale in [2^-15, 2^15], HiF8's normal binades (outside, P saturates or flushes to 0);
+    * v_descale * p_scale <= FLT_MAX / (1.25 * 32768 * max Skv), so the unnormalised output
+      P8 @ V * v_descale cannot overflow fp32 (HiF8(P) <= 1.25 p_scale, |V| <= 32768).
+
+    Done on CPU always, and on devices when a call plans without ready metadata.
+    """
+    if plan.device.type == "meta":
+        return
+    named = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if p_scale is not None:
+        named["p_scale"] = p_scale
+    values = dict(zip(named, torch.cat(list(named.values())).tolist()))
+    for name in ("q_descale", "k_descale", "v_descale"):
+        if not (math.isfinite(values[name]) and values[name] > 0):
+            raise ValueError(f"{name} must be a finite value > 0, got {values[name]:g}")
+    p = values.get("p_scale", 1.0)
+    if not (math.isfinite(p) and P_SCALE_RANGE[0] <= p <= P_SCALE_RANGE[1]):
+        raise ValueError(f"p_scale must be in [2^-15, 2^15] = [{P_SCALE_RANGE[0]:g}, {P_SCALE_RANGE[1]:g}] (HiF8's "
+                         f"normal binades: P lies in (0, p_scale]), got {p:g}")
+    dscale = plan.softmax_scale * values["q_descale"] * values["k_descale"]
+    if dscale > MAX_DSCALE:
+        raise ValueError(f"softmax_scale * q_descale * k_descale must be <= {MAX_DSCALE:.3g} (beyond it the scaled "
+                         f"HiF8 scores overflow fp32), got {dscale:.3g} = {plan.softmax_scale:g} * "
+                         f"{values['q_descale']:g} * {values['k_descale']:g}")
+    if dscale == 0:
+        raise ValueError(f"softmax_scale * q_descale * k_descale underflows to 0 ({plan.softmax_scale:g} * "
+                         f"{values['q_descale']:g} * {values['k_descale']:g})")
+    max_v = FP32_MAX / (P8_OVERSHOOT * fmt.MAX * max(max(plan.kv_lens, default=1), 1) * p)
+    if values["v_descale"] > max_v:
+        raise ValueError(f"v_descale must be <= {max_v:.3g} for this call (FLT_MAX / (1.25 * 32768 * max Skv "
+                         f"{max(plan.kv_lens, default=0)} * p_scale {p:g}): beyond it P @ V * v_descale can "
+                         f"overflow fp32), got {values['v_descale']:g}")
 
 
 def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax_lse: bool = False,
@@ -620,7 +665,6 @@ def plan_attention(
                               "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
                               "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
                               "attn_mask": attn_mask})
-    check_scale_values(p_scale)
     qs, ks = check_shapes(q, k, v, layout)
     tnd = layout == "TND"
     meta = plan_metadata(
@@ -629,5 +673,7 @@ def plan_attention(
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask_mode=mask_mode, layout=layout,
         total_q=qs["s"], total_kv=ks["s"],
     )
-    return bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
+    plan = bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                 attn_mask=attn_mask)
+    check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
+    return plan

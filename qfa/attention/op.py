@@ -142,15 +142,19 @@ def quant_flash_attn(
             cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse,
             block_table, sinks, win_left, win_right, max_seqlen_q, max_seqlen_kv,
         )
+    if plan.device.type == "meta":  # shapes only, as a meta tensor promises
+        return plan.new_outputs()
     q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
-    return _backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+    with torch.no_grad():  # an inference op: a descale that requires grad must not build a graph
+        return _backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
 
 
 def _backend(plan: AttentionPlan, requested: str | None):
     if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import attention as kernel
-    else:
-        from qfa.attention import torch_path as kernel
+    else:  # the native CPU kernel where it builds, else the pure-torch path (same contract)
+        from qfa.attention import cpu_kernel, torch_path
+        kernel = cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() else torch_path
     return kernel
 
 
@@ -176,7 +180,8 @@ def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quan
                                   cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv)
     tiling.check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                                      "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
-    if tiling.host_reads_are_free(q.device):
-        tiling.check_scale_values(p_scale)
-    return tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
+    plan = tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                        attn_mask=attn_mask)
+    if tiling.host_reads_are_free(q.device):
+        tiling.check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
+    return plan
