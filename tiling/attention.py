@@ -465,7 +465,7 @@ class AttentionPlan:
         """fp32 (3,) on the device: dScale = softmax_scale * q_descale * k_descale, ln p_scale,
         v_descale. Device ops only (no host read); both backends take these same bits."""
         dscale = (q_descale * k_descale) * self.softmax_scale
-        ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, device=dscale.device)
+        ln_p = torch.log(p_scale) if p_scale is not None else torch.zeros(1, dtype=torch.float32, device=dscale.device)
         return torch.cat([dscale, ln_p, v_descale])
 
     def new_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:

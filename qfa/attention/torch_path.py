@@ -25,8 +25,10 @@ import torch
 
 from qfa import _compile
 from qfa.attention.cpu_gemm import matmul_nt
+from qfa.cast import format as fmt
 from qfa.cast import luts
 from qfa.cast import torch_path as cast_torch
+from qfa.tiling import attention as tiling
 from qfa.tiling.attention import AttentionPlan
 
 _BF16_ROUND_BIT = 0x8000
@@ -49,8 +51,8 @@ def _softmax_block(s, m, l, dscale, ln_p, table, last_key=None):
     """One 256-key block of the online softmax on the rows of ``s``.
 
     ``last_key`` (causal blocks that cross the diagonal): per row, the last column it may see;
-    the others count as -inf. Updates the running ``m`` and ``l`` in place; returns
-    (HiF8(P), alpha).
+    the others count as -inf. Returns (HiF8(P), alpha, m_new, l_new) and modifies nothing, so an
+    eager retry of a failed compiled call cannot apply an update twice.
     """
     hidden = None
     if last_key is not None:
@@ -68,9 +70,38 @@ def _softmax_block(s, m, l, dscale, ln_p, table, last_key=None):
     else:
         p = torch.exp(exponent.masked_fill(hidden, 0.0)).masked_fill(hidden, 0.0)
     alpha = torch.exp(m - m_safe)
-    l.copy_(alpha * l + p.sum(dim=-1))
-    m.copy_(m_new)
-    return round_to_hif8(p, table), alpha
+    return round_to_hif8(p, table), alpha, m_new, alpha * l + p.sum(dim=-1)
+
+
+def _pv_with_specials(p8: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """``P8 @ V`` for a V block holding NaN or Inf, summing only the keys each row can see.
+
+    A plain GEMM would add 0 * NaN = NaN for keys a row cannot see (P8 = 0 there), so masked
+    keys would reach it. Here the finite part is one GEMM on V with its specials zeroed, and the
+    specials follow IEEE sums over the visible keys alone: any NaN term, 0 * Inf, or +Inf with
+    -Inf gives NaN; otherwise an Inf term gives that Inf. ``visible`` (rows, keys) bool, or None
+    when every row sees every key of the block.
+    """
+    finite = torch.isfinite(v)
+    pv = matmul_nt(p8, torch.where(finite, v, torch.zeros_like(v)).t())
+    vis = torch.ones_like(p8, dtype=torch.bool) if visible is None else visible
+    hits = lambda rows, cols: matmul_nt(rows.to(torch.float32), cols.to(torch.float32).t()) > 0  # noqa: E731
+    pos_inf, neg_inf = v == float("inf"), v == float("-inf")
+    positive = vis & (p8 > 0)
+    plus, minus = hits(positive, pos_inf), hits(positive, neg_inf)
+    nan = hits(vis, torch.isnan(v)) | hits(vis & (p8 == 0), pos_inf | neg_inf) | (plus & minus)
+    pv = torch.where(plus, float("inf"), torch.where(minus, float("-inf"), pv))
+    return torch.where(nan, float("nan"), pv)
+
+
+def _special_blocks(v_b: torch.Tensor, block: int) -> list[bool]:
+    """Per key block of a batch's V codes: whether it holds NaN or Inf (one pass over the bytes,
+    one host read per batch)."""
+    special = (v_b == fmt.NAN_CODE) | ((v_b & (0xFF ^ fmt.SIGN_BIT)) == fmt.POS_INF_CODE)
+    keys = v_b.shape[1]
+    padded = torch.zeros(-(-keys // block) * block, dtype=torch.bool, device=v_b.device)
+    padded[:keys] = special.any(dim=-1).any(dim=0)
+    return padded.view(-1, block).any(dim=-1).tolist()
 
 
 def _per_batch(t: torch.Tensor, strides, heads: int, b: int, start: int, length: int) -> torch.Tensor:
@@ -94,21 +125,24 @@ class _Tile:
     """
 
     def __init__(self, heads_kv: int, rows: int, dim: int, device: torch.device) -> None:
-        self.m = torch.full((heads_kv, rows), float("-inf"), device=device)
-        self.l = torch.zeros(heads_kv, rows, device=device)
-        self.o = torch.zeros(heads_kv, rows, dim, device=device)
+        self.m = torch.full((heads_kv, rows), float("-inf"), dtype=torch.float32, device=device)
+        self.l = torch.zeros(heads_kv, rows, dtype=torch.float32, device=device)
+        self.o = torch.zeros(heads_kv, rows, dim, dtype=torch.float32, device=device)
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out bf16, lse fp32) of the tile."""
-        return _compile.call(_normalise, self.o, self.m, self.l, device=self.o.device)
+    def finish(self, sees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out bf16, lse fp32) of the tile; ``sees`` (rows,) bool: the rows that see any key."""
+        return _compile.call(_normalise, self.o, self.m, self.l, sees, device=self.o.device)
 
 
-def _normalise(o, m, l):
-    """Final O / l as bf16 (ties away) and lse = m + ln l; rows that saw no key get 0 and +inf."""
-    seen = l != 0  # a NaN row (NaN codes in q) stays NaN instead of reading as 'saw no key'
-    safe_l = torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1)
-    out = to_bf16_round_half_away(torch.where(seen.unsqueeze(-1), o / safe_l, torch.zeros_like(o)))
-    lse = torch.where(seen, m + torch.log(l), torch.full_like(l, float("inf")))
+def _normalise(o, m, l, sees):
+    """Final O / l as bf16 (ties away) and lse = m + ln l; rows that see no key get 0 and +inf.
+
+    Whether a row sees a key is structural (lengths, mask), never read from ``l``: a row whose
+    visible scores are all -inf has l = 0 and gets 0 / 0 = NaN (lse -inf), as the exact
+    softmax does, and a NaN row stays NaN.
+    """
+    out = to_bf16_round_half_away(torch.where(sees.unsqueeze(-1), o / l.unsqueeze(-1), torch.zeros_like(o)))
+    lse = torch.where(sees, m + torch.log(l), torch.full_like(l, float("inf")))
     return out, lse
 
 
@@ -145,6 +179,9 @@ def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
         v_b = _per_batch(v, plan.strides_v, Nkv, b, plan.kv_starts[b], kv_len)
         k_blocks = [_decode(k_b[:, j0 : j0 + BN], dec) for j0 in range(0, kv_len, BN)]
         v_blocks = [_decode(v_b[:, j0 : j0 + BN], dec) for j0 in range(0, kv_len, BN)]
+        # NaN/Inf in V need a masked sum (see _pv_with_specials); a host read, so only on CPU:
+        # on devices every block takes that path.
+        special = _special_blocks(v_b, BN) if tiling.host_reads_are_free(device) else [True] * len(v_blocks)
         out_b = _per_batch(out, plan.out_strides, Nq, b, q_start, q_len)
         if plan.return_lse:
             lse_b = lse[:, q_start : q_start + q_len] if plan.layout == "TND" else lse[b, :, :q_len]
@@ -160,7 +197,7 @@ def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
             state = _Tile(Nkv, T * G, D, device)
             # Blocks end at kv_len, never at the tile's causal edge (that part is masked), so
             # every row sums the same block whatever the tile: the tile does not change a bit.
-            for j0, k_blk, v_blk in zip(range(0, key_end, BN), k_blocks, v_blocks):
+            for j0, k_blk, v_blk, v_special in zip(range(0, key_end, BN), k_blocks, v_blocks, special):
                 j1 = j0 + k_blk.shape[1]
                 # Positions before j0 - offset see no key of this block: for them the block is a
                 # no-op (P = 0, alpha = 1), so they are left out.
@@ -170,13 +207,19 @@ def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
                 last_key = None
                 if plan.causal and j1 - 1 > r0 + offset:
                     last_key = torch.arange(r0 + offset - j0, t1 + offset - j0, device=device).repeat_interleave(G)
+                visible = None
+                if v_special and last_key is not None:
+                    visible = torch.arange(j1 - j0, device=device) <= last_key.unsqueeze(-1)
                 for h in range(Nkv):
                     s = matmul_nt(q_tile[h, lo:], k_blk[h])
-                    p8, alpha = _compile.call(_softmax_block, s, state.m[h, lo:], state.l[h, lo:], dscale, ln_p, table,
-                                              last_key, device=device)
-                    pv = matmul_nt(p8, v_blk[h].t()).mul_(v_descale)
-                    state.o[h, lo:].mul_(alpha.unsqueeze(-1)).add_(pv)
-            tile_out, tile_lse = state.finish()
+                    p8, alpha, m_new, l_new = _compile.call(_softmax_block, s, state.m[h, lo:], state.l[h, lo:],
+                                                            dscale, ln_p, table, last_key, device=device)
+                    state.m[h, lo:], state.l[h, lo:] = m_new, l_new
+                    pv = _pv_with_specials(p8, v_blk[h], visible) if v_special else matmul_nt(p8, v_blk[h].t())
+                    state.o[h, lo:].mul_(alpha.unsqueeze(-1)).add_(pv.mul_(v_descale))
+            positions = torch.arange(t0, t1, device=device)
+            sees = (positions + offset >= 0) if plan.causal else torch.ones_like(positions, dtype=torch.bool)
+            tile_out, tile_lse = state.finish(sees.repeat_interleave(G))
             out_b[:, t0:t1] = tile_out.view(Nkv, T, G, D).transpose(1, 2).reshape(Nq, T, D)
             if plan.return_lse:
                 lse_b[:, t0:t1] = tile_lse.view(Nkv, T, G).transpose(1, 2).reshape(Nq, T)
