@@ -120,6 +120,24 @@ def test_per_token_head_q_matches_spec():
     assert elements.view(torch.uint8)[1, 2].eq(fp8.E4M3_NAN_CODE).all()
 
 
+def test_large_inputs_match_spec(path, recwarn):
+    """Past the compile threshold the core runs through TorchInductor on CPU (the ``path``
+    fixture runs it both compiled and eager): the same bits as the spec either way."""
+    x = varied_rows((4, 130, 128), seed=8)  # 66560 elements
+    x[0, 0, :6] = torch.tensor([math.nan, 1.0, 2.0, 3.0, 4.0, 5.0])
+    x[1, 1] = 0.0
+    assert x.numel() >= fp8.COMPILE_MIN_ELEMENTS
+    elements, scale = fp8.quantize_per_token_head(x)
+    want_e, want_s = spec_quantize(x, np.arange(4 * 130).repeat(128))
+    assert same(values(elements), want_e) and same(scale.numpy().reshape(-1).astype(np.float64), want_s.astype(np.float64))
+    elements, scale = fp8.quantize_per_head(x[1:], head_axis=0)
+    want_e, want_s = spec_quantize(x[1:], np.arange(3).repeat(130 * 128))
+    assert same(values(elements), want_e) and np.array_equal(scale.numpy(), want_s)
+    got = values(fp8.round_to_e4m3(x * 1000))
+    assert same(got, grid_round((x * 1000).numpy()))
+    assert not [w for w in recwarn if "torch.compile of" in str(w.message)]  # no silent eager fallback
+
+
 def test_per_token_head_paged_k_matches_spec():
     """Paged k (Bn, KV_N, 128, D): scale (Bn, KV_N, 128)."""
     x = varied_rows((3, 2, 128, 64), seed=3)

@@ -12,7 +12,7 @@ import torch
 
 import attention_reference as ref
 import mode16_reference as m16
-from qfa.cast import mxfp8
+from qfa.cast import fp8, mxfp8
 
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 FINITE_CODES = [c for c in range(256) if c not in (0x7F, 0xFF)]
@@ -169,6 +169,17 @@ def test_random_blocks_match_spec():
     """Random data over fp32's whole range (subnormal blocks, blocks of mixed magnitudes)."""
     assert_matches_spec(varied_blocks((6, 5, 128), seed=0))
     assert_matches_spec(varied_blocks((4, 3, 72), seed=1))
+
+
+def test_large_input_matches_spec(path, recwarn):
+    """Past the compile threshold the elementwise core runs through TorchInductor on CPU (the
+    ``path`` fixture runs it both compiled and eager): the same bits as the spec either way."""
+    x = varied_blocks((66, 1000), seed=15)  # 66000 elements, a tail block of 8 per row
+    x[0, :40:3] = torch.tensor([math.nan, math.inf, -0.0, 2.0**-149, 464.0, -480.0, 1e38, 0.0, -math.inf, 3.0,
+                                -2.0**-130, 5.5, 2.0**-120, 1.0])
+    assert x.numel() >= fp8.COMPILE_MIN_ELEMENTS
+    assert_matches_spec(x)
+    assert not [w for w in recwarn if "torch.compile of" in str(w.message)]  # no silent eager fallback
 
 
 def test_zero_block_gets_the_smallest_scale_and_keeps_signs():

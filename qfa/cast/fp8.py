@@ -5,7 +5,10 @@ ties to even, saturating at +-448 (+-Inf included); NaN stays NaN (code 0x7F) an
 zero is kept (-0.0 -> 0x80). It is computed here from the fp32 exponent bits and ``torch.round``
 (half to even), so it does not depend on torch's own fp8 cast or on the CPU's vector unit; the
 final cast only sees values already on the E4M3 grid, which every implementation converts
-exactly.
+exactly. On CPU, inputs of ``COMPILE_MIN_ELEMENTS`` or more run the elementwise core through
+TorchInductor (:mod:`qfa._compile`, as the HiF8 cast does; ``QFA_COMPILE=0`` turns it off): it
+is exact arithmetic only (shifts, powers of two, round, one IEEE division), so compiled and eager
+give the same bits.
 
 quant_mode 6 (``shared/docs/quant-flash-attn-family.md``) keeps one fp32 scale per token and
 head for q (NTD, scale (Q_N, Q_T)) and for the paged k (PA_BNBD (Bn, KV_N, 128, D), scale
@@ -27,10 +30,12 @@ significant bits), then cast to the requested dtype.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Callable, Final
 
 import torch
 
+from qfa import _compile
+from qfa.cast.torch_path import COMPILE_MIN_ELEMENTS
 from qfa.tiling.checks import require_tensor
 from qfa.tiling.spec import FLOAT_DTYPES
 
@@ -87,20 +92,33 @@ def binade(x: torch.Tensor) -> torch.Tensor:
     return ((x.view(torch.int32) >> _FP32_EXPONENT_SHIFT) & 0xFF) - _FP32_BIAS
 
 
-def round_to_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """fp32 ``y`` rounded to E4M3: nearest, ties to even, saturating at +-448; NaN stays NaN.
-
-    Returns ``torch.float8_e4m3fn`` of ``y``'s shape.
-    """
+def on_e4m3_grid(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` rounded to E4M3 values, still as fp32 (the elementwise core: no fp8 dtype, so
+    TorchInductor can fuse it into one loop)."""
     # Clamping first is the same as saturating afterwards (rounding is monotone and 448 is on
-    # the grid), and it bounds the binade below, so the scalings stay exact.
-    y = y.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX)
+    # the grid), and it bounds the binade, so the scalings below stay exact.
+    y = y.clamp(-E4M3_MAX, E4M3_MAX)
     e = binade(y).clamp(E4M3_MIN_NORMAL_EXPONENT, 8)  # subnormals share 2^-6's quantum 2^-9
     shift = E4M3_MANTISSA_BITS - e
     # y * 2^shift has the kept bits as its integer part; torch.round rounds half to even and
     # keeps the sign of zero; the carry of a round-up lands on the next power of two, on the grid.
-    on_grid = torch.round(y * pow2(shift)) * pow2(-shift)
-    return on_grid.to(E4M3)
+    return torch.round(y * pow2(shift)) * pow2(-shift)
+
+
+def run(fn: Callable, *tensors: torch.Tensor):
+    """``fn(*tensors)``, compiled for large CPU inputs as the HiF8 cast's torch path is (the
+    same function either way, and exact arithmetic only, so both give the same bits)."""
+    if tensors[0].numel() >= COMPILE_MIN_ELEMENTS:
+        # Contiguous, detached inputs keep dynamo to one graph per rank and dtype.
+        return _compile.call(fn, *(t.contiguous().detach() for t in tensors), device=tensors[0].device)
+    return fn(*tensors)
+
+
+def round_to_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """fp32 (fp16, bf16) ``y`` rounded to E4M3: nearest, ties to even, saturating at +-448; NaN
+    stays NaN. Returns ``torch.float8_e4m3fn`` of ``y``'s shape."""
+    flat = y.to(torch.float32).reshape(-1)
+    return run(on_e4m3_grid, flat).view(y.shape).to(E4M3)  # values on the grid: an exact cast
 
 
 def with_nan(elements: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
@@ -111,17 +129,20 @@ def with_nan(elements: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
     return bits.view(E4M3)
 
 
-def _quantize(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(elements, scale) with one scale per group over ``dims`` (kept as size-1 axes)."""
-    x32 = x.to(torch.float32)
-    # The callers keep the reduced axes non-empty, so both reductions are defined.
-    nonfinite = (~torch.isfinite(x32)).any(dim=dims, keepdim=True)
-    amax = x32.abs().amax(dim=dims, keepdim=True)
-    scale = amax / E4M3_MAX
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The core for a 2-D fp32 ``x``, one scale per row: (values on the grid, scale (R, 1),
+    nonfinite (R, 1))."""
+    nonfinite = (~torch.isfinite(x)).any(dim=1, keepdim=True)
+    scale = x.abs().amax(dim=1, keepdim=True) / E4M3_MAX
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
-    elements = with_nan(round_to_e4m3(x32 / scale), nonfinite)
-    return elements, scale
+    return on_e4m3_grid(x / scale), scale, nonfinite
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements, scale (R,)) of a 2-D float tensor with non-empty rows."""
+    values, scale, nonfinite = run(_rows, x.to(torch.float32))
+    return with_nan(values.to(E4M3), nonfinite), scale.squeeze(1)
 
 
 def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +152,8 @@ def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     check_float_input(x, "x")
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last axis (the head dimension), got shape {tuple(x.shape)}")
-    elements, scale = _quantize(x, (-1,))
-    return elements, scale.squeeze(-1)
+    elements, scale = _quantize_rows(x.reshape(-1, x.shape[-1]))
+    return elements.view(x.shape), scale.view(x.shape[:-1])
 
 
 def quantize_per_head(x: torch.Tensor, head_axis: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +164,9 @@ def quantize_per_head(x: torch.Tensor, head_axis: int = 1) -> tuple[torch.Tensor
     dims = tuple(d for d in range(x.ndim) if d != axis)
     if not dims or any(x.shape[d] == 0 for d in dims):
         raise ValueError(f"x must have non-empty axes besides head_axis {head_axis}, got shape {tuple(x.shape)}")
-    elements, scale = _quantize(x, dims)
-    return elements, scale.reshape(x.shape[axis])
+    moved = x.movedim(axis, 0)
+    elements, scale = _quantize_rows(moved.reshape(moved.shape[0], -1))
+    return elements.view(moved.shape).movedim(0, axis).contiguous(), scale
 
 
 def normalise_axis(axis, ndim: int, name: str = "axis") -> int:

@@ -39,6 +39,7 @@ from typing import Final
 import torch
 
 from qfa.cast.fp8 import (
+    E4M3,
     E4M3_NAN_CODE,
     binade,
     check_dtype,
@@ -46,8 +47,9 @@ from qfa.cast.fp8 import (
     check_float_input,
     check_output_dtype,
     normalise_axis,
+    on_e4m3_grid,
     pow2,
-    round_to_e4m3,
+    run,
     with_nan,
 )
 
@@ -107,8 +109,17 @@ def quantize(x: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch.Tenso
     nb = blocks(n)
     x32 = x.to(torch.float32).movedim(axis, -1)
     lead = x32.shape[:-1]
-    # Zero padding: it changes no block's amax and is cut off again below.
-    padded = torch.nn.functional.pad(x32, (0, nb * BLOCK - n)).reshape(*lead, nb, BLOCK)
+    # Zero padding (a copy only for a tail block): it changes no block's amax and is cut off below.
+    padded = torch.nn.functional.pad(x32, (0, nb * BLOCK - n)) if n % BLOCK else x32
+    values, code = run(_blocks, padded.reshape(-1, nb, BLOCK))
+    elements = with_nan(values.to(E4M3), (code == E8M0_NAN_CODE).unsqueeze(-1)).reshape(*lead, nb * BLOCK)
+    elements = elements[..., :n].movedim(-1, axis).contiguous()
+    return elements, _as_e8m0(code.reshape(*lead, nb).movedim(-1, axis).contiguous())
+
+
+def _blocks(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The core for fp32 blocks (R, nb, 32): (element values on the E4M3 grid, E8M0 codes int32
+    (R, nb), 0xFF for a block with NaN or Inf)."""
     amax = padded.abs().amax(dim=-1)
     nonfinite = ~torch.isfinite(padded).all(dim=-1)
     # E8M0 code = (floor(log2 amax) - 8) + 127: fp32 shares E8M0's bias, so it is amax's fp32
@@ -117,12 +128,8 @@ def quantize(x: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch.Tenso
     code = torch.where(nonfinite, torch.zeros_like(code), code)
     # x / 2^(code - 127) as x * 2^(127 - code): the multiplier is a normal fp32 (code <= 246), and
     # a power-of-two product is exact.
-    multiplier = pow2(E8M0_BIAS - code)
-    elements = round_to_e4m3(padded * multiplier.unsqueeze(-1))
-    elements = with_nan(elements, nonfinite.unsqueeze(-1))
-    elements = elements.reshape(*lead, nb * BLOCK)[..., :n].movedim(-1, axis).contiguous()
-    code = torch.where(nonfinite, torch.full_like(code, E8M0_NAN_CODE), code)
-    return elements, _as_e8m0(code.movedim(-1, axis).contiguous())
+    values = on_e4m3_grid(padded * pow2(E8M0_BIAS - code).unsqueeze(-1))
+    return values, torch.where(nonfinite, torch.full_like(code, E8M0_NAN_CODE), code)
 
 
 def _check_scales_shape(elements: torch.Tensor, scales: torch.Tensor, axis: int, name: str = "scales") -> None:
