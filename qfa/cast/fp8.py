@@ -105,7 +105,7 @@ def on_e4m3_grid(y: torch.Tensor) -> torch.Tensor:
     return torch.round(y * pow2(shift)) * pow2(-shift)
 
 
-def run(fn: Callable, *tensors: torch.Tensor):
+def run(fn: Callable, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``fn(*tensors)``, compiled for large CPU inputs as the HiF8 cast's torch path is (the
     same function either way, and exact arithmetic only, so both give the same bits)."""
     if tensors[0].numel() >= COMPILE_MIN_ELEMENTS:
