@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def attention_rows(q, k, v) -> tuple[list[list[str]], dict[str, float]]:
         rel[label] = m.rel_l2
         rows.append([label, f"{m.cosine:.6f}", f"{m.rel_l2:.4f}", f"{m.max_abs:.4f}", f"{_median(fn) * 1e3:.1f}",
                      f"{first * 1e3:.0f}"])
-    rows.append(["exact fp32 SDPA (reference)", "1", "0", "0", f"{_median(sdpa) * 1e3:.1f}", f"{first_exact * 1e3:.0f}"])
+    rows.append(["exact fp32 SDPA (reference)", "1", "0", "0", f"{_median(sdpa) * 1e3:.1f}",
+                 f"{first_exact * 1e3:.0f}"])
     return rows, rel
 
 
@@ -152,7 +154,7 @@ def write_chart(path: Path, rel_errors: dict[str, float], workload: str = "built
             ax1.fill_between(exps, heights + heights[-1:], step="post", color=style["color"], alpha=0.18, zorder=2)
     ax1.set_xlabel("binade e (values in [2^e, 2^(e+1)))")
     ax1.set_ylabel("mantissa bits (relative precision 2^-bits)")
-    ax1.set_title("Precision across binades (FP8 lines nudged +-0.08 to stay visible)", fontsize=10)
+    ax1.set_title("Precision across binades (FP8 lines nudged ±0.08 to stay visible)", fontsize=10)
     ax1.set_yticks([0, 1, 2, 3])
     ax1.set_ylim(-0.3, 3.9)
     ax1.grid(axis="x", alpha=0.3)
@@ -174,6 +176,18 @@ def write_chart(path: Path, rel_errors: dict[str, float], workload: str = "built
     return path
 
 
+def _busy_note() -> str:
+    """A warning when other processes load the CPUs (medians do not undo a shared machine)."""
+    try:
+        load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):  # no load average on this OS
+        return ""
+    if load <= cpus:
+        return ""
+    return (f"Load average {load:.1f} on {cpus} CPUs: other processes share the cores, so every time above is "
+            "slower and less steady than on an idle machine.")
+
+
 def run(args: argparse.Namespace) -> int:
     from qfa.tools.workloads import llm_like_qkv
 
@@ -188,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(["attention", "cosine", "rel L2", "max abs", "ms (median)", "first call ms"], rows))
     print(f"\nms: median of at least {TIMED_RUNS} runs after a warm-up call, on {torch.get_num_threads()} threads. "
           "The first call of each path compiles it (TorchInductor), so it is shown apart and is not in the medians.")
+    busy = _busy_note()
+    if busy:
+        print(busy)
     try:
         path = write_chart(Path(args.out), rel, workload)
     except ImportError:
