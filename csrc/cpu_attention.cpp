@@ -13,6 +13,10 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -105,7 +109,8 @@ struct Call {
   const uint8_t* k;
   const uint8_t* v;
   int64_t sq[4], sk[4], sv[4];  // element strides (batch, head, position, dim)
-  int16_t* out;
+  int16_t* out;    // bf16 bits, or
+  float* out_f32;  // O / l unrounded (the tests' view of the fp32 result), when out is fp32
   int64_t so[4];
   float* lse;  // nullptr when not returned
   int64_t sl[3];  // (batch, head, position) strides of lse
@@ -143,6 +148,24 @@ inline at::Tensor wrap(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
+// fp32 values of n contiguous codes (n a multiple of the vector width): a gather from the
+// 1 KiB table, which stays in L1.
+inline void decode_contiguous(const float* table, const uint8_t* p, float* d, int64_t n) {
+  int64_t x = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; x + 16 <= n; x += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x)));
+    _mm512_storeu_ps(d + x, _mm512_i32gather_ps(idx, table, 4));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; x + 8 <= n; x += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + x)));
+    _mm256_storeu_ps(d + x, _mm256_i32gather_ps(table, idx, 4));
+  }
+#endif
+  for (; x < n; ++x) d[x] = table[p[x]];
+}
+
 // Decode rows [j0, j1) of kv head h of batch b (codes strided) into dst (rows x dim).
 inline void decode_rows(const Call& c, const uint8_t* base, const int64_t* st, int64_t b, int64_t h,
                         int64_t start, int64_t j0, int64_t j1, float* dst) {
@@ -150,7 +173,7 @@ inline void decode_rows(const Call& c, const uint8_t* base, const int64_t* st, i
   for (int64_t j = j0; j < j1; ++j, p += st[2]) {
     float* d = dst + (j - j0) * c.dim;
     if (st[3] == 1) {
-      for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x]];
+      decode_contiguous(c.decode, p, d, c.dim);
     } else {
       for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x * st[3]]];
     }
@@ -164,7 +187,11 @@ void load_q(const Call& c, const Item& it, float* dst) {
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* p = c.q + it.b * c.sq[0] + (it.h * G + g) * c.sq[1] + (c.q_starts[it.b] + i) * c.sq[2];
       float* d = dst + ((i - it.t0) * G + g) * c.dim;
-      for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x * c.sq[3]]];
+      if (c.sq[3] == 1) {
+        decode_contiguous(c.decode, p, d, c.dim);
+      } else {
+        for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x * c.sq[3]]];
+      }
     }
   }
 }
@@ -176,8 +203,9 @@ inline int64_t key_end(const Call& c, int64_t b, int64_t t1) {
   return c.causal ? std::min(c.kv_lens[b], t1 + offset_of(c, b)) : c.kv_lens[b];
 }
 
-// Scores of block c for the rows [lo, R) of the item: into sc.s (ld = block_n). Returns nk.
-int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, const float*& vblk) {
+// Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
+// Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
+int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
   const int64_t b = it.b, h = it.h, D = c.dim, BN = c.block_n;
   const int64_t R = (it.t1 - it.t0) * c.group;
   const int64_t j0 = blk * BN, j1 = std::min(j0 + BN, c.kv_lens[b]);
@@ -191,7 +219,7 @@ int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& 
     kblk = sc.k.get();
     vblk = nullptr;  // decoded by the caller when needed
   }
-  auto S = wrap(sc.s.get(), R - lo, nk, BN);
+  auto S = wrap(dst, R - lo, nk, BN);
   at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nk, D, D).t());
   return nk;
 }
@@ -211,7 +239,8 @@ inline int64_t first_row(const Call& c, const Item& it, int64_t j0) {
 }
 
 // Pass 1 of a split item: the running max its blocks contribute, per row, into mx (R floats).
-void chunk_max(const Call& c, const Item& it, Scratch& sc, float* mx) {
+// With a store (R x block_n floats per block of the chunk), the scores are kept for pass 2.
+void chunk_max(const Call& c, const Item& it, Scratch& sc, float* mx, float* store) {
   const int64_t R = (it.t1 - it.t0) * c.group;
   for (int64_t r = 0; r < R; ++r) mx[r] = kNegInf;
   for (int64_t blk = it.c0; blk < it.c1; ++blk) {
@@ -219,10 +248,11 @@ void chunk_max(const Call& c, const Item& it, Scratch& sc, float* mx) {
     const int64_t lo = first_row(c, it, j0) * c.group;
     if (lo >= R) continue;
     const float* vblk;
-    const int64_t nk = scores(c, it, blk, lo, sc, vblk);
+    float* dst = store ? store + (blk - it.c0) * R * c.block_n : sc.s.get();
+    const int64_t nk = scores(c, it, blk, lo, sc, dst, vblk);
     for (int64_t r = lo; r < R; ++r) {
       const int64_t nv = visible(c, it, r, j0, nk);
-      const float rm = row_max(sc.s.get() + (r - lo) * c.block_n, nv);
+      const float rm = row_max(dst + (r - lo) * c.block_n, nv);
       mx[r] = max_nan(mx[r], rm * c.dscale - c.ln_p);
     }
   }
@@ -230,7 +260,8 @@ void chunk_max(const Call& c, const Item& it, Scratch& sc, float* mx) {
 
 // The online-softmax walk of the item's blocks from running max m (R floats, updated), with l, O
 // and the product of its alphas (prod, for the merge of split items) from l = 0, O = 0, prod = 1.
-void walk(const Call& c, const Item& it, Scratch& sc) {
+// ``store``: the scores pass 1 kept (then K is not read again), or nullptr.
+void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
   const int64_t D = c.dim, BN = c.block_n;
   const int64_t R = (it.t1 - it.t0) * c.group;
   float* m = sc.m.get();
@@ -245,10 +276,18 @@ void walk(const Call& c, const Item& it, Scratch& sc) {
     const int64_t j0 = blk * BN;
     const int64_t lo = first_row(c, it, j0) * c.group;
     if (lo >= R) continue;
-    const float* vblk;
-    const int64_t nk = scores(c, it, blk, lo, sc, vblk);
+    const float* vblk = nullptr;
+    float* sblk = sc.s.get();
+    int64_t nk;
+    if (store) {
+      sblk = store + (blk - it.c0) * R * BN;
+      nk = std::min(j0 + BN, c.kv_lens[it.b]) - j0;
+      if (!c.v_dec.empty() && c.v_dec[it.b]) vblk = c.v_dec[it.b] + (it.h * c.kv_lens[it.b] + j0) * D;
+    } else {
+      nk = scores(c, it, blk, lo, sc, sblk, vblk);
+    }
     for (int64_t r = lo; r < R; ++r) {
-      float* s = sc.s.get() + (r - lo) * BN;
+      float* s = sblk + (r - lo) * BN;
       const int64_t nv = visible(c, it, r, j0, nk);
       const float rm = row_max(s, nv);
       const float m_new = max_nan(m[r], rm * c.dscale - c.ln_p);
@@ -282,7 +321,7 @@ void walk(const Call& c, const Item& it, Scratch& sc) {
       vblk = sc.v.get();
     }
     auto PV = wrap(sc.pv.get(), R - lo, D, D);
-    at::mm_out(PV, wrap(sc.s.get(), R - lo, nk, BN), wrap(const_cast<float*>(vblk), nk, D, D));
+    at::mm_out(PV, wrap(sblk, R - lo, nk, BN), wrap(const_cast<float*>(vblk), nk, D, D));
     const Vec vds(c.v_descale);
     for (int64_t r = lo; r < R; ++r) {
       const Vec a(alpha[r]);
@@ -315,10 +354,14 @@ void finish(const Call& c, const Item& it, const float* m, const float* l, const
   const int64_t qs = c.q_starts[it.b];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = it.t0 + r / G, n = it.h * G + r % G;
-    int16_t* dst = c.out + it.b * c.so[0] + n * c.so[1] + (qs + i) * c.so[2];
+    const int64_t at = it.b * c.so[0] + n * c.so[1] + (qs + i) * c.so[2];
     const bool seen = l[r] != 0.f;  // NaN compares unequal: a NaN row stays NaN
     const float* orow = o + r * D;
-    for (int64_t x = 0; x < D; ++x) dst[x * c.so[3]] = seen ? bf16_half_away(orow[x] / l[r]) : int16_t(0);
+    if (c.out_f32) {
+      for (int64_t x = 0; x < D; ++x) c.out_f32[at + x * c.so[3]] = seen ? orow[x] / l[r] : 0.f;
+    } else {
+      for (int64_t x = 0; x < D; ++x) c.out[at + x * c.so[3]] = seen ? bf16_half_away(orow[x] / l[r]) : int16_t(0);
+    }
     if (c.lse) c.lse[it.b * c.sl[0] + n * c.sl[1] + (qs + i) * c.sl[2]] = seen ? m[r] + logl[r] : kInf;
   }
 }
@@ -354,16 +397,18 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              int64_t heads_kv, int64_t group, int64_t dim, int64_t block_n, std::vector<int64_t> q_starts,
              std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
              double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
-             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t min_items, int64_t predecode_bytes) {
+             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t min_items, int64_t predecode_bytes,
+             int64_t store_bytes) {
   TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
-  TORCH_CHECK(out.dtype() == at::kBFloat16, "out must be bf16");
+  TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
   TORCH_CHECK(dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
   TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
   TORCH_CHECK(round_consts.size() == 7 && strides.size() == 12 && out_strides.size() == 4 && lse_strides.size() == 3);
   Call c;
   c.q = q.data_ptr<uint8_t>(); c.k = k.data_ptr<uint8_t>(); c.v = v.data_ptr<uint8_t>();
   for (int i = 0; i < 4; ++i) { c.sq[i] = strides[i]; c.sk[i] = strides[4 + i]; c.sv[i] = strides[8 + i]; c.so[i] = out_strides[i]; }
-  c.out = reinterpret_cast<int16_t*>(out.data_ptr<at::BFloat16>());
+  c.out = out.dtype() == at::kBFloat16 ? reinterpret_cast<int16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  c.out_f32 = out.dtype() == at::kFloat ? out.data_ptr<float>() : nullptr;
   c.lse = lse.numel() ? lse.data_ptr<float>() : nullptr;
   for (int i = 0; i < 3; ++i) c.sl[i] = lse_strides[i];
   c.heads_kv = heads_kv; c.group = group; c.dim = dim; c.block_n = block_n;
@@ -379,7 +424,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   // Work items: (batch, kv head, query tile); tiles that see no key still write their rows.
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
-    if (q_lens[b] == 0 || kv_lens[b] == 0) continue;
+    if (q_lens[b] == 0) continue;  // (kv_len 0: items without blocks, which write 0 / +inf)
     for (int64_t h = 0; h < heads_kv; ++h) {
       for (int64_t t0 = 0; t0 < q_lens[b]; t0 += T) {
         const int64_t t1 = std::min(q_lens[b], t0 + T);
@@ -447,6 +492,22 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
 
   // Split items, pass 1: each chunk's contribution to the running max.
   std::vector<std::vector<float>> cmax(chunks.size());
+  // Pass 1's scores are kept for pass 2 when they fit the budget (decode: a few rows per item).
+  int64_t store_floats = 0;
+  for (const Item& ch : chunks) store_floats += (ch.t1 - ch.t0) * group * (ch.c1 - ch.c0) * block_n;
+  std::vector<int64_t> store_at(chunks.size(), -1);
+  at::Tensor store;
+  if (!chunks.empty() && store_floats * 4 <= store_bytes) {
+    store = at::empty({store_floats}, at::kFloat);
+    int64_t at_ = 0;
+    for (size_t x = 0; x < chunks.size(); ++x) {
+      store_at[x] = at_;
+      at_ += (chunks[x].t1 - chunks[x].t0) * group * (chunks[x].c1 - chunks[x].c0) * block_n;
+    }
+  }
+  auto store_of = [&](const Item& it) -> float* {
+    return it.slot >= 0 && store_at[it.slot] >= 0 ? store.data_ptr<float>() + store_at[it.slot] : nullptr;
+  };
   if (!chunks.empty()) {
     const auto order = by_cost(chunks);
     run_items(static_cast<int64_t>(chunks.size()), [&](int64_t i, Scratch& sc) {
@@ -455,7 +516,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
       sc.ensure(R, dim, block_n);
       load_q(c, ch, sc.q.get());
       cmax[order[i]].assign(R, kNegInf);
-      chunk_max(c, ch, sc, cmax[order[i]].data());
+      chunk_max(c, ch, sc, cmax[order[i]].data(), store_of(ch));
     });
   }
 
@@ -475,7 +536,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     if (it.slot >= 0)
       for (int64_t x = it.first; x < it.slot; ++x)
         for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
-    walk(c, it, sc);
+    walk(c, it, sc, store_of(it));
     if (it.slot < 0) {
       finish(c, it, m, sc.l.get(), sc.o.get(), sc.alpha.get());
     } else {

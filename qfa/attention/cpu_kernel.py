@@ -50,9 +50,11 @@ SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_attention.cpp"
 TILE_ROWS = 128
 #: Below this many (batch, kv head, query tile) items, keys are split (decode). A constant, not
 #: the thread count: the split changes fp32 reassociation, and the bits must not depend on threads.
-MIN_ITEMS = 32
+MIN_ITEMS = 16
 #: Prefill decodes the K and V that several tiles read to fp32 once, up to this many bytes.
 PREDECODE_BYTES = 1 << 30
+#: A split keeps pass 1's scores for pass 2 (rather than computing them twice) up to this many bytes.
+SCORE_STORE_BYTES = 1 << 28
 
 _VECTOR_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -164,5 +166,5 @@ def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_sc
         q, k, v, strides, out, list(normalised_strides(out, plan.layout)), lse, lse_strides,
         plan.heads_kv, plan.group, plan.head_dim, plan.block_n, list(plan.q_starts), list(plan.kv_starts),
         list(plan.q_lens), list(plan.kv_lens), bool(plan.causal), dscale, ln_p, float(v_descale), table,
-        _round_consts(), tile_rows, min_items, PREDECODE_BYTES,
+        _round_consts(), tile_rows, min_items, PREDECODE_BYTES, SCORE_STORE_BYTES,
     )

@@ -1,0 +1,245 @@
+"""qfa.attention.cpu_kernel: the native CPU kernel against the torch path (its golden reference),
+the exactness of its key split, thread-count independence, fully written outputs, fallback.
+
+Against the torch path the two differ in fp32 summation order (MKL vs oneDNN GEMMs, the row
+sums) and exp's last ulp, exactly as the torch path differs from the spec-level reference, so
+the reference tests' derived tolerances apply (``test_attention_reference.check_against_reference``,
+one source for them).
+
+The key split (decode) is tighter: every S, exponent, P and HiF8(P) is the sequential walk's,
+bit for bit, so the split result differs only by the fp32 reassociation of the alphas (see
+cpu_kernel's docstring). The bound, from the arithmetic: with n key blocks, a term of l or O
+passes through at most 2n + 1 roundings in the sequential walk and 3n + 2 in the split (its
+chunk's chain, the product of the chunk's alphas, the merge), each a factor (1 + d), |d| <= u =
+2^-24; so each differs from exact by at most gamma(3n + 2) = k u / (1 - k u) relative, and
+the two by 2 gamma of the sum of |terms|. l's terms are positive: |dl| <= 2 gamma l. O's terms
+are (P8 @ V) v_descale with |.| <= 2 P max|v| (HiF8 rounds P up by at most 2x, at the underflow
+threshold), so |dO| <= 4 gamma max|v| l (1 + gamma). out = O / l (each rounded once):
+|d out| <= 4 gamma max|v| (1 + gamma) + (2 gamma + 2u) |out|. lse = m + ln l with m identical:
+|d lse| <= 2 gamma (1 + gamma) + 4u |ln l| (log's 1 ulp, both sides) + 2u |lse| (the add).
+A chunk that started from the wrong running max would round its P differently: differences of
+HiF8 steps (2^-4 relative) in O, orders of magnitude beyond this bound.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import attention_reference as ref
+from qfa.attention import cpu_kernel, torch_path
+from qfa.tiling.attention import plan_attention
+from test_attention_reference import check_against_reference
+
+D = 128
+U = 2.0**-24
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="native CPU kernel not built here")
+
+
+def make(nq, nkv, q_lens, kv_lens, layout="BNSD", causal=False, p_scale=None, seqused_q=None, seqused_kv=None,
+         seed=0, lse=True):
+    """(plan, args) of one call; BNSD/BSND pad to the longest length."""
+    b = len(q_lens)
+    if layout == "TND":
+        q_shape, kv_shape = (sum(q_lens), nq, D), (sum(kv_lens), nkv, D)
+    elif layout == "BNSD":
+        q_shape, kv_shape = (b, nq, max(q_lens), D), (b, nkv, max(kv_lens), D)
+    else:
+        q_shape, kv_shape = (b, max(q_lens), nq, D), (b, max(kv_lens), nkv, D)
+    q, k, v, qd, kd, vd = ref.random_qkv(q_shape, kv_shape, seed)
+    kw = {}
+    if layout == "TND":
+        kw["cu_seqlens_q"] = torch.tensor(np.cumsum((0,) + tuple(q_lens)), dtype=torch.int32)
+        kw["cu_seqlens_kv"] = torch.tensor(np.cumsum((0,) + tuple(kv_lens)), dtype=torch.int32)
+    if seqused_q is not None:
+        kw["seqused_q"] = torch.tensor(seqused_q, dtype=torch.int32)
+    if seqused_kv is not None:
+        kw["seqused_kv"] = torch.tensor(seqused_kv, dtype=torch.int32)
+    ps = None if p_scale is None else torch.tensor([float(p_scale)])
+    plan = plan_attention(q, k, v, qd, kd, vd, 7, p_scale=ps, layout=layout, mask_mode=3 if causal else 0,
+                          return_softmax_lse=lse, **kw)
+    return plan, (q, k, v, qd, kd, vd, ps)
+
+
+def v_max(args) -> float:
+    return float(np.abs(ref.decode(args[2])).max() * float(args[5]))
+
+
+CASES = {
+    "gqa6-37x257-p128": dict(nq=12, nkv=2, q_lens=(37,), kv_lens=(257,), p_scale=128),
+    "gqa4-255x513-causal-bsnd-p15": dict(nq=4, nkv=1, q_lens=(255,), kv_lens=(513,), layout="BSND", causal=True,
+                                         p_scale=15),
+    "mha8-B2-256x256-causal-nolse": dict(nq=8, nkv=8, q_lens=(256, 256), kv_lens=(256, 256), causal=True, lse=False),
+    "gqa4-B2-257x37-causal": dict(nq=4, nkv=1, q_lens=(257, 257), kv_lens=(37, 37), causal=True),
+    "tnd-gqa4-causal-empty": dict(nq=4, nkv=1, q_lens=(37, 0, 257, 5), kv_lens=(255, 1, 513, 0), layout="TND",
+                                  causal=True, p_scale=15),
+    "seqused-bnsd-causal": dict(nq=4, nkv=1, q_lens=(257,) * 3, kv_lens=(513,) * 3, causal=True,
+                                seqused_q=(257, 0, 100), seqused_kv=(513, 300, 0)),
+    "decode-1x4097": dict(nq=12, nkv=2, q_lens=(1,), kv_lens=(4097,)),
+    "decode-B2-16x4096-causal-bsnd": dict(nq=8, nkv=2, q_lens=(16, 16), kv_lens=(4096, 4096), layout="BSND",
+                                          causal=True, p_scale=256),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch_path(name, monkeypatch):
+    monkeypatch.setenv("QFA_COMPILE", "0")  # the torch path eager: same numerics, no compile time
+    plan, args = make(**CASES[name])
+    want_out, want_lse = torch_path.forward(plan, *args)
+    out, lse = cpu_kernel.forward(plan, *args)
+    assert out.dtype == torch.bfloat16 and out.shape == args[0].shape
+    assert lse.shape == want_lse.shape
+    check_against_reference(out, lse, want_out.to(torch.float64).numpy(), want_lse.numpy(), v_max(args), plan.return_lse)
+    # Rows no batch reaches and rows that see no key: exactly 0 and +inf on both.
+    no_key = (want_out == 0).all(dim=-1)
+    assert torch.equal((out == 0).all(dim=-1) & no_key, no_key)
+
+
+def _fp32_out(plan, args, **kw):
+    out = torch.full(args[0].shape, float("nan"))
+    lse = torch.full(tuple(plan.lse_shape), float("nan")) if plan.return_lse else torch.empty(0)
+    cpu_kernel.run_into(plan, *args, out, lse, **kw)
+    return out.to(torch.float64), lse.to(torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(12, 2, (1,), (4096,), False), (4, 1, (16, 3), (2049, 777), True),
+                                   (8, 8, (1,), (513,), False)], ids=["1x4096", "B2-16x2049-causal", "mha-1x513"])
+def test_key_split_is_the_sequential_walk_up_to_reassociation(shape):
+    nq, nkv, q_lens, kv_lens, causal = shape
+    plan, args = make(nq, nkv, q_lens, kv_lens, causal=causal, p_scale=15, seed=3)
+    seq_out, seq_lse = _fp32_out(plan, args, min_items=0)  # never split
+    n = max(math.ceil(x / plan.block_n) for x in kv_lens)
+    k = 3 * n + 2
+    gamma = k * U / (1 - k * U)
+    vm = v_max(args)
+    for min_items in (cpu_kernel.MIN_ITEMS, 10**6):  # the default split, and one block per chunk
+        out, lse = _fp32_out(plan, args, min_items=min_items)
+        bound = 4 * gamma * vm * (1 + gamma) + (2 * gamma + 2 * U) * seq_out.abs()
+        assert ((out - seq_out).abs() <= bound).all(), float(((out - seq_out).abs() - bound).max())
+        finite = torch.isfinite(seq_lse)
+        assert torch.equal(finite, torch.isfinite(lse))
+        log_l = math.log(kv_lens[0] * 15.0) + 1  # l <= Skv * p_scale, and l >= P of the row max ~ p_scale
+        lse_bound = 2 * gamma * (1 + gamma) + 4 * U * log_l + 2 * U * seq_lse[finite].abs()
+        assert ((lse[finite] - seq_lse[finite]).abs() <= lse_bound).all()
+
+
+_THREADS_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_cpu_kernel as t
+results = []
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    for name in ("decode-1x4097", "gqa4-255x513-causal-bsnd-p15", "tnd-gqa4-causal-empty"):
+        plan, args = t.make(**t.CASES[name])
+        out, lse = t.cpu_kernel.forward(plan, *args)
+        results.append((out.view(torch.int16).clone(), lse.view(torch.int32).clone()))
+half = len(results) // 2
+assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(results[:half], results[half:]))
+print("identical")
+"""
+
+
+def test_one_and_two_threads_give_identical_bits():
+    here = str(__import__("pathlib").Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, here], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "identical" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["gqa4-B2-257x37-causal", "decode-1x4097", "tnd-gqa4-causal-empty"])
+def test_nan_poisoned_outputs_are_fully_written(name):
+    plan, args = make(**CASES[name])
+    out = torch.full(args[0].shape, float("nan"), dtype=torch.bfloat16)
+    lse = torch.full(tuple(plan.lse_shape), float("nan"))
+    cpu_kernel.run_into(plan, *args, out, lse)
+    q_lens = plan.q_lens
+    if plan.layout == "TND":  # every token belongs to a batch here
+        assert sum(q_lens) == args[0].shape[0]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    want_out, want_lse = cpu_kernel.forward(plan, *args)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16))
+    assert torch.equal(lse, want_lse)
+
+
+def test_nan_codes_in_q_give_nan_rows():
+    plan, args = make(4, 1, (5,), (300,))
+    q = args[0].clone()
+    q[0, 2, 3, 7] = 0x80  # NaN code: q head 2, position 3
+    args = (q, *args[1:])
+    out, lse = cpu_kernel.forward(plan, *args)
+    want_out, want_lse = torch_path.forward(plan, *args)
+    assert torch.isnan(out[0, 2, 3]).all() and torch.isnan(lse[0, 2, 3])
+    assert torch.equal(torch.isnan(out), torch.isnan(want_out)) and torch.equal(torch.isnan(lse), torch.isnan(want_lse))
+
+
+def test_inputs_are_not_modified():
+    plan, args = make(12, 2, (16,), (600,), causal=True)
+    before = [a.clone() for a in args if a is not None]
+    cpu_kernel.forward(plan, *args)
+    assert all(torch.equal(a, b) for a, b in zip([a for a in args if a is not None], before))
+
+
+def test_strided_inputs():
+    """K and V as views (a transposed BSND-like buffer read as BNSD), q non-contiguous."""
+    plan0, args = make(4, 2, (40,), (300,), seed=4)
+    q, k, v, qd, kd, vd, ps = args
+    k2 = k.transpose(1, 2).contiguous().transpose(1, 2)
+    q2 = q.transpose(1, 2).contiguous().transpose(1, 2)
+    plan = plan_attention(q2, k2, v, qd, kd, vd, 7, return_softmax_lse=True)
+    out, lse = cpu_kernel.forward(plan, q2, k2, v, qd, kd, vd, ps)
+    want_out, want_lse = cpu_kernel.forward(plan0, q, k, v, qd, kd, vd, ps)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)
+
+
+def test_fallback_when_disabled(monkeypatch):
+    from qfa.attention import quant_flash_attn
+
+    plan, args = make(**CASES["gqa4-B2-257x37-causal"])
+    q, k, v, qd, kd, vd, ps = args
+    monkeypatch.setenv("QFA_COMPILE", "0")
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    assert not cpu_kernel.available()
+    out, lse = quant_flash_attn(q, k, v, qd, kd, vd, mask_mode=3, return_softmax_lse=True, backend="torch")
+    want_out, want_lse = torch_path.forward(plan, *args)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)
+
+
+def test_build_failure_falls_back_and_warns_once(monkeypatch):
+    from qfa.attention import quant_flash_attn
+
+    def broken():
+        raise RuntimeError("no compiler (simulated)")
+
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpu_kernel, "_failed", False)
+    monkeypatch.setattr(cpu_kernel, "_build", broken)
+    monkeypatch.setenv("QFA_COMPILE", "0")
+    plan, args = make(**CASES["gqa4-B2-257x37-causal"])
+    q, k, v, qd, kd, vd, ps = args
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out, lse = quant_flash_attn(q, k, v, qd, kd, vd, mask_mode=3, return_softmax_lse=True, backend="torch")
+    native = [w for w in caught if "native CPU attention kernel" in str(w.message)]
+    assert len(native) == 1 and "pure-torch" in str(native[0].message)
+    want_out, want_lse = torch_path.forward(plan, *args)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)
+    assert not cpu_kernel.available()
+
+
+def test_build_is_keyed_by_cpu():
+    name = cpu_kernel.build_name()
+    assert cpu_kernel.cpu_capability().lower() in name
+    flags = cpu_kernel._cpu_flags()
+    if flags:  # a different flags line gives a different build
+        import hashlib
+
+        assert hashlib.sha1(flags.encode() + torch.__version__.encode()).hexdigest()[:12] in name
+
