@@ -31,8 +31,9 @@ compares degrade to scalar code on Atlas A2/A3. Plain pointer arithmetic is used
 Triton removed block pointers); per-platform launch choices are in :data:`LAUNCH`, not in the
 kernel body.
 
-NaN codes in q make their rows NaN (out and lse): a row counts as "saw no key" only when its
-running sum ``l`` is exactly 0, never when it is NaN.
+NaN codes in q make their rows NaN (out and lse). Whether a row saw a key is structural
+(lengths and mask), never read from ``l``. Masked keys have no influence, NaN/Inf in V included:
+a V block holding specials takes a masked path (``_specials_over_visible``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,23 @@ def _bf16_bits_round_half_away(x):
 
 
 @triton.jit
+def _specials_over_visible(pv, p8, v, visible):
+    """``P8 @ V`` of a block whose V holds NaN/Inf, summed over each row's visible keys only:
+    ``pv`` is the GEMM on V with its specials zeroed; the specials follow IEEE sums (any NaN
+    term, 0 * Inf, or +Inf with -Inf: NaN; otherwise an Inf term: that Inf). Counting dots of
+    0/1 fp16 matrices are exact. Same rule as the torch path's ``_pv_with_specials``."""
+    pos_inf = (v == float("inf")).to(tl.float16)
+    neg_inf = (v == float("-inf")).to(tl.float16)
+    positive = (visible & (p8 > 0)).to(tl.float16)
+    plus = tl.dot(positive, pos_inf) > 0
+    minus = tl.dot(positive, neg_inf) > 0
+    nan = tl.dot(visible.to(tl.float16), (v != v).to(tl.float16)) > 0
+    nan = nan | (tl.dot((visible & (p8 == 0)).to(tl.float16), pos_inf + neg_inf) > 0) | (plus & minus)
+    pv = tl.where(plus, float("inf"), tl.where(minus, float("-inf"), pv))
+    return tl.where(nan, float("nan"), pv)
+
+
+@triton.jit
 def _attention_rows(
     q_base, k_base, v_base, out_base, lse_base, lut_ptr,
     row0, q_len, kv_len, rows_b, dscale, ln_p, v_descale,
@@ -134,13 +152,18 @@ def _attention_rows(
         p8 = hif8_round_sat(p).to(tl.float16)  # exact: HiF8 values <= 32768 fit fp16
 
         v_codes = tl.load(v_base + cols[:, None] * svs + dims[None, :] * svd, mask=key_ok[:, None], other=0)
-        pv = tl.dot(p8, hif8_decode(v_codes, lut_ptr, tl.float16))
+        v = hif8_decode(v_codes, lut_ptr, tl.float16)
+        special = (v != v) | (tl.abs(v) == float("inf"))
+        pv = tl.dot(p8, tl.where(special, 0.0, v).to(tl.float16))
+        if tl.sum(tl.sum(special.to(tl.int32), 1), 0) > 0:
+            pv = _specials_over_visible(pv, p8, v, cols_f[None, :] <= last[:, None])
         acc = acc * alpha[:, None] + pv * v_descale
         m_i = m_new
 
-    seen = l_i != 0.0  # NaN rows count as seen, so NaN propagates to out and lse
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    out = tl.where(seen[:, None], out, 0.0)
+    # Structural: a row sees keys iff its last visible key exists. A row whose visible scores
+    # are all -inf has l = 0 and gets 0 / 0 = NaN, as the exact softmax does; NaN rows stay NaN.
+    seen = last >= 0.0
+    out = tl.where(seen[:, None], acc / l_i[:, None], 0.0)
     store_ok = rows_f < rows_b
     tl.store(
         out_base + rows[:, None] * sos + dims[None, :] * sod,
@@ -148,7 +171,7 @@ def _attention_rows(
         mask=store_ok[:, None],
     )
     if RETURN_LSE:
-        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("inf"))
+        lse = tl.where(seen, m_i + tl.log(l_i), float("inf"))
         tl.store(lse_base + rows * sls, lse, mask=store_ok)
 
 

@@ -30,7 +30,10 @@ import torch
 
 from qfa.cast import format as fmt
 from qfa.cast.api import as_codes
-from qfa.tiling.checks import check_bool, check_int32_vector, check_scalar_fp32, int32_vector, require_tensor
+from qfa.tiling.checks import (
+    apply_seqused, check_bool, check_device, check_scalar_fp32, check_sequence_lengths, cumulative_lengths,
+    int32_vector, require_tensor,
+)
 from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
 
 LAYOUTS = ("BNSD", "BSND", "TND")
@@ -145,29 +148,6 @@ def check_unsupported(win_left, win_right, **tensors) -> None:
             raise ValueError(f"{name} must be -1: sliding windows are not supported in the HiF8 mode, got {value!r}")
 
 
-def _lengths_from_cu(cu: list[int], name: str, total: int | None) -> list[int]:
-    if cu[0] != 0:
-        raise ValueError(f"{name} must start with 0, got {cu[0]}")
-    lens = [b - a for a, b in zip(cu, cu[1:])]
-    if any(n < 0 for n in lens):
-        raise ValueError(f"{name} must be non-decreasing, got {cu}")
-    if total is not None and cu[-1] != total:
-        raise ValueError(f"{name}[-1] must equal the token count {total} of the tensor, got {cu[-1]}")
-    return lens
-
-
-def _apply_seqused(lens: list[int] | None, used: list[int] | None, name: str) -> list[int] | None:
-    if used is None:
-        return lens
-    if lens is not None:
-        for b, (u, n) in enumerate(zip(used, lens)):
-            if not 0 <= u <= n:
-                raise ValueError(f"{name}[{b}] must be in [0, {n}] (the sequence's length), got {u}")
-    elif any(u < 0 for u in used):
-        raise ValueError(f"{name} must hold lengths >= 0, got {used}")
-    return used
-
-
 def _shape_of(t: torch.Tensor, name: str, layout: str) -> dict[str, int]:
     axes = _AXES[layout]
     if t.dim() != len(axes):
@@ -214,7 +194,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str)
     one batch size. Shared with the drop-in, which checks float q/k/v before quantising them.
     Returns q's and k's sizes by axis name (``b``, ``n``, ``s``, ``d``)."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} (shared by q, k, v and out), got {layout!r}")
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout), _shape_of(v, "v", layout)
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -244,8 +224,7 @@ def _check_attn_mask(attn_mask, mask_mode: MaskMode) -> None:
 
 def check_devices(device: torch.device, named: dict) -> None:
     for name, t in named.items():
-        if isinstance(t, torch.Tensor) and t.device != device:
-            raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+        check_device(t, name, device)
 
 
 # ============================================================================ metadata
@@ -324,37 +303,12 @@ def plan_metadata(
     resolve_layouts(layout, None, None, None, layout_q_descale)
     named = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q,
              "seqused_kv": seqused_kv}
+    if layout == "TND" and batch_size is not None:
+        raise ValueError("batch_size is not accepted with layout 'TND' (cu_seqlens_q gives the batch)")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
+        raise TypeError(f"batch_size must be an int or None, got {type(batch_size).__name__} {batch_size!r}")
+    batch = check_sequence_lengths(layout, batch=batch_size, max_batch=MAX_BATCH, **named)
     devices = {t.device for t in named.values() if isinstance(t, torch.Tensor)}
-
-    if layout == "TND":
-        if batch_size is not None:
-            raise ValueError("batch_size is not accepted with layout 'TND' (cu_seqlens_q gives the batch)")
-        if cu_seqlens_q is None or cu_seqlens_kv is None:
-            raise ValueError("layout 'TND' needs cu_seqlens_q and cu_seqlens_kv (int32, B+1, leading 0)")
-        cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")
-        if cu_q.dim() != 1 or cu_q.numel() < 2:
-            raise ValueError(f"cu_seqlens_q must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_q.shape)}")
-        batch = cu_q.numel() - 1
-        check_int32_vector(cu_q, "cu_seqlens_q", batch + 1)
-        check_int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
-    else:
-        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-            if named[name] is not None:
-                raise ValueError(f"{name} is only for layout 'TND'; got it with layout {layout!r}")
-        batch = batch_size
-        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)):
-            raise TypeError(f"batch_size must be an int or None, got {type(batch).__name__} {batch!r}")
-        for t, name in ((seqused_q, "seqused_q"), (seqused_kv, "seqused_kv")):
-            if t is not None and batch is None:
-                require_tensor(t, name)
-                batch = t.shape[0] if t.dim() == 1 else None
-    if batch is not None and not 0 < batch <= MAX_BATCH:
-        raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
-    for t, name in ((seqused_q, "seqused_q"), (seqused_kv, "seqused_kv")):
-        if t is not None:
-            check_int32_vector(t, name, batch)
-    if len(devices) > 1:
-        raise ValueError(f"cu_seqlens and seqused tensors must share one device, got {sorted(map(str, devices))}")
 
     # The host reads, after every static check.
     for name, t in named.items():
@@ -365,8 +319,8 @@ def plan_metadata(
     if layout == "TND":
         cu_q_list = int32_vector(cu_seqlens_q, "cu_seqlens_q", batch + 1)
         cu_kv_list = int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
-        q_lens = _lengths_from_cu(cu_q_list, "cu_seqlens_q", total_q)
-        kv_lens = _lengths_from_cu(cu_kv_list, "cu_seqlens_kv", total_kv)
+        q_lens = cumulative_lengths(cu_q_list, "cu_seqlens_q", total_q)
+        kv_lens = cumulative_lengths(cu_kv_list, "cu_seqlens_kv", total_kv)
         q_starts, kv_starts = tuple(cu_q_list[:-1]), tuple(cu_kv_list[:-1])
         total_q, total_kv = cu_q_list[-1], cu_kv_list[-1]
     used_q = int32_vector(seqused_q, "seqused_q", batch) if seqused_q is not None else None
@@ -374,8 +328,8 @@ def plan_metadata(
     if layout != "TND":  # lengths are the tensors' (known here only through total_*) unless seqused
         q_lens = [total_q] * batch if total_q is not None and batch else None
         kv_lens = [total_kv] * batch if total_kv is not None and batch else None
-    q_lens = _apply_seqused(q_lens, used_q, "seqused_q")
-    kv_lens = _apply_seqused(kv_lens, used_kv, "seqused_kv")
+    q_lens = apply_seqused(q_lens, used_q, "seqused_q")
+    kv_lens = apply_seqused(kv_lens, used_kv, "seqused_kv")
     if layout != "TND":
         q_lens = q_lens if used_q is not None else None
         kv_lens = kv_lens if used_kv is not None else None
@@ -609,8 +563,8 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
         if meta.batch is not None and meta.batch != batch:
             raise ValueError(f"batch size of q must equal the metadata's ({meta.batch}), got {batch}")
         seq_q, seq_kv = qs["s"], ks["s"]
-        q_lens = tuple(_apply_seqused([seq_q] * batch, meta.q_lens and list(meta.q_lens), "seqused_q"))
-        kv_lens = tuple(_apply_seqused([seq_kv] * batch, meta.kv_lens and list(meta.kv_lens), "seqused_kv"))
+        q_lens = tuple(apply_seqused([seq_q] * batch, meta.q_lens and list(meta.q_lens), "seqused_q"))
+        kv_lens = tuple(apply_seqused([seq_kv] * batch, meta.kv_lens and list(meta.kv_lens), "seqused_kv"))
         q_starts = kv_starts = (0,) * batch
         rows = (seq_q,) * batch
     if not 0 < batch <= MAX_BATCH:
