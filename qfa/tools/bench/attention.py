@@ -1,9 +1,14 @@
-"""``qfa bench attention``: the torch path of quant_flash_attn beside SDPA, and its accuracy.
+"""``qfa bench attention``: the torch backend of quant_flash_attn beside SDPA, and its accuracy.
 
-Speed: causal prefill, B=1, D=128, against ``scaled_dot_product_attention`` on the dequantised
-fp32 and bf16 tensors, measured in the same run (median of runs). Memory: peak RSS growth of
-one call at S=16384 in a fresh process. Accuracy: error against exact fp32 attention on the
-original (unquantised) inputs, for HiF8 and for a per-tensor FP8 E4M3 emulation.
+The header names the CPU, the ISA extensions that matter to the kernels (AVX2, AVX-512,
+AVX512_BF16, AMX) and the code path that ran (the native CPU kernel or the pure-torch path).
+Speed: causal prefill, B=1, D=128, and decode-shaped calls (Sq = 1 or 16 new tokens against a
+long KV, B = 1 or 8, no mask), against ``scaled_dot_product_attention`` on the dequantised fp32
+and bf16 tensors, measured in the same run (median of runs). ``--load`` measures the same rows
+again while a busy-loop process occupies one core (it stops by itself), beside SDPA under the
+same load. Memory: peak RSS growth of one call at S=16384 in a fresh process. Accuracy: error
+against exact fp32 attention on the original (unquantised) inputs, for HiF8 and for a
+per-tensor FP8 E4M3 emulation.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import json
 import math
 import subprocess
 import sys
-from typing import Sequence
+import time
+from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,16 @@ MEMORY_LIMIT_GIB = 4.0
 SPEED_TARGET_RATIO = 1.0
 #: ... from this sequence length up.
 SPEED_TARGET_MIN_SEQ = 2048
+#: Decode rows: new tokens, KV lengths and batch sizes; the target is this many times fp32 SDPA.
+DECODE_SQ = (1, 16)
+DECODE_SKV = (4096, 16384, 65536)
+DECODE_BATCH = (1, 8)
+DECODE_TARGET_RATIO = 0.5
+#: Under --load (one core busy), each row at most this many times its quiet time.
+LOAD_TARGET_RATIO = 1.5
+#: /proc/cpuinfo flags that decide which kernels a CPU can run, as the header names them.
+ISA_FLAGS = (("AVX2", ("avx2",)), ("AVX-512", ("avx512f",)), ("AVX512_BF16", ("avx512_bf16",)),
+             ("AMX", ("amx_tile", "amx_bf16")))
 
 
 def _head_pairs(text: str) -> list[tuple[int, int]]:
@@ -52,6 +69,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-seq", type=int, default=MEMORY_SEQ, help="S of the peak-memory run (0 skips it)")
     parser.add_argument("--accuracy-seq", type=int, default=1024, help="S of the accuracy table (0 skips it)")
     parser.add_argument("--backend", default="torch")
+    parser.add_argument("--decode-skv", type=lambda s: [int(x) for x in s.split(",") if int(x)],
+                        default=list(DECODE_SKV), help="KV lengths of the decode rows (0 skips them)")
+    parser.add_argument("--decode-batch", type=lambda s: [int(x) for x in s.split(",")], default=list(DECODE_BATCH))
+    parser.add_argument("--decode-sq", type=lambda s: [int(x) for x in s.split(",")], default=list(DECODE_SQ))
+    parser.add_argument("--load", action="store_true",
+                        help="also time every row while a busy-loop process occupies one core")
+
+
+def cpu_description(cpuinfo: str) -> str:
+    """'<model name>; ISA: AVX2 yes, AVX-512 no, ...' from the text of /proc/cpuinfo."""
+    model, flags = "unknown CPU", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown CPU":
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    isa = ", ".join(f"{name} {'yes' if any(f in flags for f in names) else 'no'}" for name, names in ISA_FLAGS)
+    return f"{model}; {isa}"
+
+
+def code_path(backend: str) -> str:
+    """Which implementation quant_flash_attn runs for ``backend`` on CPU tensors."""
+    if backend != "torch":
+        return f"backend {backend}"
+    from qfa.attention import cpu_kernel
+
+    if cpu_kernel.available():
+        return f"native CPU kernel ({cpu_kernel.cpu_capability()} build {cpu_kernel.build_name()})"
+    return "pure-torch path (qfa.attention.torch_path; native kernel off or unavailable)"
 
 
 def causal_flops(heads: int, seq: int, dim: int = 128) -> float:
@@ -75,29 +122,133 @@ def quantised_inputs(heads_q: int, heads_kv: int, seq: int, seed: int = 0):
     return codes, descales, values
 
 
-def speed_rows(seqs, backend: str, heads=HEADS) -> tuple[list[list[str]], list[float]]:
-    """The speed table, and qfa / fp32 SDPA for the rows the target covers."""
+def quantised_decode_inputs(batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int, seed: int = 0):
+    """Like :func:`quantised_inputs`, with a batch and Sq != Skv."""
+    from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
+
+    gen = torch.Generator().manual_seed(seed)
+    codes, descales, values = [], [], []
+    for n, s in ((heads_q, seq_q), (heads_kv, seq_kv), (heads_kv, seq_kv)):
+        x = torch.randn(batch, n, s, 128, generator=gen)
+        scale = (x.abs().amax() / 32768).reshape(1)
+        c = encode_to_hifloat8(x / scale)
+        del x
+        codes.append(c)
+        descales.append(scale)
+        values.append(decode_from_hifloat8(c, torch.float32) * scale)
+    return codes, descales, values
+
+
+def _time(fn: Callable[[], object]) -> float:
+    return median_seconds(fn, min_runs=3, min_total=0)
+
+
+def _timings(codes, descales, values, backend: str, causal: bool) -> dict[str, Callable[[], object]]:
+    """The three timed calls of a row: qfa, fp32 SDPA, bf16 SDPA."""
     from qfa.attention import quant_flash_attn
 
-    rows, target_ratios = [], []
+    qd, kd, vd = values
+    qb, kb, vb = qd.bfloat16(), kd.bfloat16(), vd.bfloat16()
+    mask = 3 if causal else 0
+    return {
+        "qfa": lambda: quant_flash_attn(*codes, *descales, 7, mask_mode=mask, backend=backend),
+        "fp32": lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=True),
+        "bf16": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True),
+    }
+
+
+def measure(fns: dict[str, Callable[[], object]], load: bool) -> tuple[dict[str, float], dict[str, float] | None]:
+    """Median seconds of each call quiet, and of qfa and fp32 SDPA with one core busy (``load``)."""
+    quiet = {name: _time(fn) for name, fn in fns.items()}
+    if not load:
+        return quiet, None
+    # The loop outlives the measurement only by a margin, and stops by itself if we die.
+    loop = busy_loop(10 * (quiet["qfa"] + quiet["fp32"]) + 30)
+    try:
+        time.sleep(0.1)
+        return quiet, {name: _time(fns[name]) for name in ("qfa", "fp32")}
+    finally:
+        loop.terminate()
+        loop.wait()
+
+
+def _load_cells(quiet: dict[str, float], loaded: dict[str, float] | None) -> list[str]:
+    if loaded is None:
+        return []
+    return [f"{loaded['qfa'] * 1e3:.1f}", f"{loaded['qfa'] / quiet['qfa']:.2f}x", f"{loaded['fp32'] * 1e3:.1f}",
+            f"{loaded['fp32'] / quiet['fp32']:.2f}x"]
+
+
+LOAD_HEADERS = ["qfa ms, 1 core busy", "qfa busy / quiet", "SDPA fp32 ms, 1 core busy", "SDPA busy / quiet"]
+
+
+def decode_rows(skvs, batches, sqs, backend: str, heads: tuple[int, int], load: bool = False):
+    """Decode-shaped rows (no mask): (rows, qfa / fp32 SDPA per row, qfa busy / quiet per row)."""
+    hq, hkv = heads
+    rows, ratios, load_ratios = [], [], []
+    for b in batches:
+        for sq in sqs:
+            for skv in skvs:
+                codes, descales, values = quantised_decode_inputs(b, hq, hkv, sq, skv)
+                t, busy = measure(_timings(codes, descales, values, backend, causal=False), load)
+                rows.append([b, sq, skv, f"{t['qfa'] * 1e3:.1f}", f"{t['fp32'] * 1e3:.1f}",
+                             f"{t['qfa'] / t['fp32']:.2f}x", f"{t['bf16'] * 1e3:.1f}",
+                             f"{t['qfa'] / t['bf16']:.2f}x"] + _load_cells(t, busy))
+                ratios.append(t["qfa"] / t["fp32"])
+                if busy:
+                    load_ratios.append(busy["qfa"] / t["qfa"])
+                del codes, descales, values
+                print(".", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return rows, ratios, load_ratios
+
+
+def decode_verdict(ratios: Sequence[float]) -> str:
+    """The verdict line on the decode target, from qfa / fp32 SDPA of the decode rows."""
+    if not ratios:
+        raise ValueError("decode_verdict needs at least one measured ratio, got none")
+    met = sum(r <= DECODE_TARGET_RATIO for r in ratios)
+    return (f"decode target (qfa <= {DECODE_TARGET_RATIO:.1f}x fp32 SDPA): "
+            f"{'met' if met == len(ratios) else 'NOT met'} in {met} of {len(ratios)} rows (worst {max(ratios):.2f}x)")
+
+
+def load_verdict(ratios: Sequence[float]) -> str:
+    """The verdict line on the --load target, from qfa's loaded / quiet time of each row."""
+    if not ratios:
+        raise ValueError("load_verdict needs at least one measured ratio, got none")
+    met = sum(r <= LOAD_TARGET_RATIO for r in ratios)
+    return (f"load target (qfa with one core busy <= {LOAD_TARGET_RATIO:.1f}x its quiet time): "
+            f"{'met' if met == len(ratios) else 'NOT met'} in {met} of {len(ratios)} rows (worst {max(ratios):.2f}x)")
+
+
+_BUSY_LOOP = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def busy_loop(seconds: float) -> subprocess.Popen:
+    """A process that keeps one core busy and exits by itself after ``seconds``."""
+    return subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(seconds)])
+
+
+def speed_rows(seqs, backend: str, heads=HEADS, load: bool = False):
+    """The prefill table, qfa / fp32 SDPA for the rows the target covers, and (``load``) qfa's
+    busy / quiet time per row."""
+    rows, target_ratios, load_ratios = [], [], []
     for hq, hkv in heads:
         for seq in seqs:
-            codes, descales, (qd, kd, vd) = quantised_inputs(hq, hkv, seq)
-            t_ours = median_seconds(lambda: quant_flash_attn(*codes, *descales, 7, mask_mode=3, backend=backend),
-                                    min_runs=3, min_total=0)
-            t32 = median_seconds(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True),
-                                 min_runs=3, min_total=0)
-            qb, kb, vb = qd.bfloat16(), kd.bfloat16(), vd.bfloat16()
-            t16 = median_seconds(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True),
-                                 min_runs=3, min_total=0)
+            codes, descales, values = quantised_inputs(hq, hkv, seq)
+            t, busy = measure(_timings(codes, descales, values, backend, causal=True), load)
+            t_ours, t32, t16 = t["qfa"], t["fp32"], t["bf16"]
             flops = causal_flops(hq, seq)
             rows.append([f"({hq}, {hkv})", seq, f"{t_ours * 1e3:.1f}", f"{flops / t_ours / 1e9:.1f}",
-                         f"{t32 * 1e3:.1f}", f"{t_ours / t32:.2f}x", f"{t16 * 1e3:.1f}", f"{t_ours / t16:.2f}x"])
+                         f"{t32 * 1e3:.1f}", f"{t_ours / t32:.2f}x", f"{t16 * 1e3:.1f}", f"{t_ours / t16:.2f}x"]
+                        + _load_cells(t, busy))
             if seq >= SPEED_TARGET_MIN_SEQ:
                 target_ratios.append(t_ours / t32)
+            if busy:
+                load_ratios.append(busy["qfa"] / t_ours)
             print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    return rows, target_ratios
+    return rows, target_ratios, load_ratios
 
 
 def speed_verdict(ratios: Sequence[float]) -> str:
@@ -160,13 +311,31 @@ def accuracy_rows(seq: int) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(f"quant_flash_attn (mode 7, causal, B=1, D=128) vs SDPA; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, backend={args.backend}")
-    rows, target_ratios = speed_rows(args.seqs, args.backend, args.heads)
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    print(f"quant_flash_attn (mode 7, D=128) vs SDPA; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"backend={args.backend}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"CPU: {cpu_description(cpuinfo)}")
+    print(f"code path: {code_path(args.backend)}")
+    extra = LOAD_HEADERS if args.load else []
+    load_ratios = []
+    rows, target_ratios, busy = speed_rows(args.seqs, args.backend, args.heads, args.load)
+    load_ratios += busy
+    print("\nprefill: causal, B=1")
     print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
-                          "SDPA bf16 ms", "qfa / bf16"], rows))
+                          "SDPA bf16 ms", "qfa / bf16"] + extra, rows))
     if target_ratios:
         print("\n" + speed_verdict(target_ratios))
+    if args.decode_skv:
+        hq, hkv = args.heads[0]
+        rows, decode_ratios, busy = decode_rows(args.decode_skv, args.decode_batch, args.decode_sq, args.backend,
+                                                args.heads[0], args.load)
+        load_ratios += busy
+        print(f"\ndecode: Sq new tokens against Skv keys, no mask, (Nq, Nkv) = ({hq}, {hkv})")
+        print(markdown_table(["B", "Sq", "Skv", "qfa ms", "SDPA fp32 ms", "qfa / fp32", "SDPA bf16 ms",
+                              "qfa / bf16"] + extra, rows))
+        print("\n" + decode_verdict(decode_ratios))
+    if load_ratios:
+        print(load_verdict(load_ratios))
     if args.memory_seq:
         mem = peak_memory(args.memory_seq, args.backend)
         verdict = "OK" if mem["peak_growth_gib"] < MEMORY_LIMIT_GIB else "OVER"
