@@ -52,14 +52,15 @@ def test_bench_cast_sizes_parse_as_help_shows(capsys):
 
 
 def test_bench_attention_small():
-    out = qfa("bench", "attention", "--seqs", "128", "--memory-seq", "256", "--accuracy-seq", "128")
+    out = qfa("bench", "attention", "--seqs", "128", "--memory-seq", "256", "--accuracy-seq", "128", "--decode-skv", "0")
     assert "SDPA fp32" in out and "peak memory" in out and "FP8 E4M3" in out
 
 
 def test_bench_attention_heads_smoke():
     """--heads sets the table's rows; with no S >= 2048 there is no verdict to print (the verdict
     itself is tested in-process in test_tools.py, without timing S = 2048)."""
-    out = qfa("bench", "attention", "--heads", "2:1,4:2", "--seqs", "64", "--memory-seq", "0", "--accuracy-seq", "0")
+    out = qfa("bench", "attention", "--heads", "2:1,4:2", "--seqs", "64", "--memory-seq", "0", "--accuracy-seq", "0",
+              "--decode-skv", "0")
     rows = [line.split("|")[1:3] for line in out.splitlines() if re.match(r"\| \(\d+, \d+\) \|", line)]
     assert [(h.strip(), s.strip()) for h, s in rows] == [("(2, 1)", "64"), ("(4, 2)", "64")]
     assert "speed target" not in out and "peak memory" not in out and "accuracy" not in out

@@ -137,7 +137,8 @@ def test_speed_rows_count_only_long_sequences_toward_the_target(fake_clock):
 def test_bench_attention_run_prints_the_verdict(fake_clock, capsys):
     parser = argparse.ArgumentParser()
     bench_attention.add_arguments(parser)
-    args = parser.parse_args(["--heads", "2:1", "--seqs", "64,2048", "--memory-seq", "0", "--accuracy-seq", "0"])
+    args = parser.parse_args(["--heads", "2:1", "--seqs", "64,2048", "--memory-seq", "0", "--accuracy-seq", "0",
+                              "--decode-skv", "0"])
     fake_clock({64: (0.5, 0.1, 0.2), 2048: (0.3, 0.2, 0.4)}, [64, 2048])
     assert bench_attention.run(args) == 0
     out = capsys.readouterr().out

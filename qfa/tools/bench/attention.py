@@ -229,9 +229,15 @@ def busy_loop(seconds: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(seconds)])
 
 
-def speed_rows(seqs, backend: str, heads=HEADS, load: bool = False):
-    """The prefill table, qfa / fp32 SDPA for the rows the target covers, and (``load``) qfa's
-    busy / quiet time per row."""
+def speed_rows(seqs, backend: str, heads=HEADS) -> tuple[list[list[str]], list[float]]:
+    """The prefill table, and qfa / fp32 SDPA for the rows the target covers."""
+    rows, target_ratios, _ = prefill_rows(seqs, backend, heads)
+    return rows, target_ratios
+
+
+def prefill_rows(seqs, backend: str, heads=HEADS, load: bool = False):
+    """:func:`speed_rows`, and with ``load`` each row's times with one core busy beside them, and
+    qfa's busy / quiet time per row."""
     rows, target_ratios, load_ratios = [], [], []
     for hq, hkv in heads:
         for seq in seqs:
@@ -318,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"code path: {code_path(args.backend)}")
     extra = LOAD_HEADERS if args.load else []
     load_ratios = []
-    rows, target_ratios, busy = speed_rows(args.seqs, args.backend, args.heads, args.load)
+    rows, target_ratios, busy = prefill_rows(args.seqs, args.backend, args.heads, args.load)
     load_ratios += busy
     print("\nprefill: causal, B=1")
     print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
