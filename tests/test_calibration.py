@@ -171,3 +171,43 @@ def test_observer_subsamples_large_batches_and_stays_close():
     # a strided sample of a few thousand values estimates the RMS within a few %; after rounding
     # log2 the exponent can differ by at most one binade at a rounding boundary
     assert abs(math.log2(float(obs.scale())) - true_exp) <= 1
+
+
+@pytest.mark.parametrize("rule", ["amax", "rms"])
+def test_observer_keeps_no_view_of_a_reused_input_buffer(rule):
+    """A data loader refills one buffer: the observer must have copied what it needs (the
+    extreme value, the subsample), so later batches in the same buffer change nothing of the
+    earlier ones. The batches are larger than the per-batch sample, so the maximum is kept only
+    as the extreme value (a view of it would read the next, smaller batch)."""
+    batches = [_llm_like(seed=s, shape=(1, 2, 64, 128)) * scale for s, scale in enumerate((100.0, 0.01, 0.5))]
+    fresh, reused = cal.ScaleObserver(rule, per_batch=1000), cal.ScaleObserver(rule, per_batch=1000)
+    buffer = torch.empty_like(batches[0])
+    for b in batches:
+        fresh.observe(b.clone())
+        buffer.copy_(b)
+        reused.observe(buffer)
+    buffer.fill_(1e-3)  # and overwriting it after the last batch changes nothing either
+    assert torch.equal(reused.scale(), fresh.scale())
+    if rule == "amax":
+        every = torch.cat([b.reshape(-1) for b in batches])
+        assert torch.equal(reused.scale(), cal.amax_scale(every))
+
+
+def test_module_calibration_from_a_reused_buffer_freezes_the_true_amax():
+    """HiF8Attention.calibrate() fed batches copied into one reused buffer (issue 9)."""
+    from qfa.attention.dropin_module import HiF8Attention
+
+    batches = [[_llm_like(seed=3 * s + i, shape=(1, 2, 256, 128)) * scale for i in range(3)]
+               for s, scale in enumerate((100.0, 0.01))]
+    attn = HiF8Attention(calibration="amax", rotate=False, smooth_k=False)
+    attn.start_calibration()
+    for obs in attn._observers:  # a small per-batch sample, so the max lives only in the extreme
+        obs.per_batch = 1000
+    buffers = [torch.empty_like(t) for t in batches[0]]
+    for batch in batches:
+        for buf, t in zip(buffers, batch):
+            buf.copy_(t)
+        attn.observe(*buffers)
+    attn.freeze()
+    expected = cal.amax_scale(torch.cat([batches[0][0].reshape(-1), batches[1][0].reshape(-1)]))
+    assert torch.equal(attn.q_scale, expected)

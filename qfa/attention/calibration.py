@@ -223,7 +223,8 @@ def dequantize(codes: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -
 class ScaleObserver:
     """Gathers one tensor's statistics over sample batches; :meth:`scale` applies a rule to them.
 
-    It keeps the exact absolute maximum and a deterministic, bounded subsample (an odd stride
+    It keeps copies, never views of the observed tensors (the caller may reuse its buffers):
+    the exact absolute maximum and a deterministic, bounded subsample (an odd stride
     through each observed batch, at most ``per_batch`` values; the pool is thinned by half when
     it exceeds ``max_pool``). The rule then sees the pool plus the extreme value, so ``"amax"``
     is exact and ``"rms"`` / ``"mse"`` are estimated from an unbiased sample of all batches.
@@ -246,9 +247,10 @@ class ScaleObserver:
         if flat.numel() == 0:
             return
         amax = _amax(flat, name)
-        extreme = flat[flat.abs().argmax()].reshape(1)
+        # Copies, never views: ``flat`` may alias the caller's tensor (a data loader refills one
+        # buffer), and a view would see the next batch's values instead of this one's.
         if self._extreme is None or amax > self._extreme.abs()[0]:
-            self._extreme = extreme
+            self._extreme = flat[flat.abs().argmax()].reshape(1).clone()
         sample = _subsample(flat, self.per_batch)
         self._pool.append(sample.clone())
         self._pooled += sample.numel()
