@@ -177,10 +177,10 @@ def test_observer_subsamples_large_batches_and_stays_close():
 def test_observer_keeps_no_view_of_a_reused_input_buffer(rule):
     """A data loader refills one buffer: the observer must have copied what it needs (the
     extreme value, the subsample), so later batches in the same buffer change nothing of the
-    earlier ones. The batches are larger than the per-batch sample, so the maximum is kept only
-    as the extreme value (a view of it would read the next, smaller batch)."""
-    batches = [_llm_like(seed=s, shape=(1, 2, 64, 128)) * scale for s, scale in enumerate((100.0, 0.01, 0.5))]
-    fresh, reused = cal.ScaleObserver(rule, per_batch=1000), cal.ScaleObserver(rule, per_batch=1000)
+    earlier ones. A small pool is thinned after every batch, so the first batch's maximum soon
+    survives only as the extreme value (a view of it would read a later, smaller batch)."""
+    batches = [_llm_like(seed=s, shape=(1, 2, 64, 128)) * (100.0 if s == 0 else 0.01) for s in range(8)]
+    fresh, reused = (cal.ScaleObserver(rule, per_batch=1000, max_pool=1500) for _ in range(2))
     buffer = torch.empty_like(batches[0])
     for b in batches:
         fresh.observe(b.clone())
@@ -197,17 +197,17 @@ def test_module_calibration_from_a_reused_buffer_freezes_the_true_amax():
     """HiF8Attention.calibrate() fed batches copied into one reused buffer (issue 9)."""
     from qfa.attention.dropin_module import HiF8Attention
 
-    batches = [[_llm_like(seed=3 * s + i, shape=(1, 2, 256, 128)) * scale for i in range(3)]
-               for s, scale in enumerate((100.0, 0.01))]
+    batches = [[_llm_like(seed=3 * s + i, shape=(1, 2, 256, 128)) * (100.0 if s == 0 else 0.01) for i in range(3)]
+               for s in range(8)]
     attn = HiF8Attention(calibration="amax", rotate=False, smooth_k=False)
     attn.start_calibration()
-    for obs in attn._observers:  # a small per-batch sample, so the max lives only in the extreme
-        obs.per_batch = 1000
+    for obs in attn._observers:  # a small, often thinned pool: the max soon lives only in the extreme
+        obs.per_batch, obs.max_pool = 1000, 1500
     buffers = [torch.empty_like(t) for t in batches[0]]
     for batch in batches:
         for buf, t in zip(buffers, batch):
             buf.copy_(t)
         attn.observe(*buffers)
     attn.freeze()
-    expected = cal.amax_scale(torch.cat([batches[0][0].reshape(-1), batches[1][0].reshape(-1)]))
+    expected = cal.amax_scale(torch.cat([batch[0].reshape(-1) for batch in batches]))
     assert torch.equal(attn.q_scale, expected)
