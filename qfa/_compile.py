@@ -4,6 +4,21 @@ The torch paths are written as plain torch functions; on CPU, compiling them fus
 memory-bound passes into one C++ loop. The compiled and eager versions run the same function,
 so they agree bit for bit except for exp's last ulp (inductor's vectorised exp). Compiling
 is skipped where it is unavailable (no C++ compiler) or disabled with ``QFA_COMPILE=0``.
+
+A failed compile must not change what later calls compute (a call that happened to fail would
+otherwise change the LSE bits of every later, good call), so failures are remembered by what
+caused them:
+
+* a failure tied to the inputs (a dtype, rank or ``requires_grad`` the graph does not take) is
+  remembered for that input *signature* (:func:`signature`): calls with that signature run in
+  eager torch, every other signature still runs compiled, exactly as before the failure;
+* an environmental failure (no working C++ compiler, a missing tool or library: the exception
+  or one of its causes is an ``OSError``, ``ImportError`` or one of inductor's compiler errors,
+  see :func:`is_environmental`) marks the function broken for the rest of the process: no input
+  could compile it, so every call runs in eager torch, consistently.
+
+The compiled functions must not modify their arguments (they return their results), so the
+eager retry after a failed compiled call cannot apply an update twice.
 """
 
 from __future__ import annotations
@@ -12,7 +27,7 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -22,14 +37,18 @@ ENV_VAR = "QFA_COMPILE"
 RECOMPILE_LIMIT = 64
 _lock = threading.Lock()
 _compiled: dict[Callable, Callable] = {}
+#: Functions broken for good (an environmental failure): they always run eagerly.
 _failed: set[Callable] = set()
+#: Per function, the input signatures whose compile failed: those calls run eagerly.
+_failed_signatures: dict[Callable, set[Hashable]] = {}
 _scope = threading.local()
 
 
 @contextlib.contextmanager
 def limits():
     """qfa's recompile limit, set once around a stretch of :func:`call`s (patching dynamo's
-    config costs about 20 us, as much as the compiled call itself)."""
+    config costs about 20 us, as much as the compiled call itself). Dynamo's config is
+    per thread, so a scope changes only its own thread's setting."""
     if getattr(_scope, "active", False):
         yield
         return
@@ -41,13 +60,44 @@ def limits():
             _scope.active = False
 
 
-def enabled(fn: Callable, device: torch.device) -> bool:
-    return device.type == "cpu" and os.environ.get(ENV_VAR, "1") != "0" and fn not in _failed
+def signature(args) -> tuple:
+    """What a compile failure is remembered by: per argument, a tensor's dtype, rank, device
+    type and ``requires_grad`` (the properties a graph specialises on; sizes are dynamic), or
+    the type of anything else (None, a Python number ...)."""
+    return tuple(
+        (a.dtype, a.dim(), a.device.type, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
+        for a in args
+    )
+
+
+def is_environmental(exc: BaseException) -> bool:
+    """Whether a compile failure comes from the environment rather than from the inputs: the
+    exception or any of its causes is an ``OSError`` (a missing compiler or tool), an
+    ``ImportError``, or inductor's C++ compiler errors."""
+    from torch._inductor import exc as inductor_exc
+
+    kinds = (OSError, ImportError, inductor_exc.InvalidCxxCompiler, inductor_exc.CppCompileError)
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, kinds):
+            return True
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return False
+
+
+def enabled(fn: Callable, device: torch.device, args: tuple = ()) -> bool:
+    """Whether ``fn(*args)`` runs compiled: on CPU, unless ``QFA_COMPILE=0``, ``fn`` is broken
+    for good, or its compile failed before for this :func:`signature` of ``args``."""
+    if device.type != "cpu" or os.environ.get(ENV_VAR, "1") == "0" or fn in _failed:
+        return False
+    failed = _failed_signatures.get(fn)
+    return not failed or signature(args) not in failed
 
 
 def call(fn: Callable, *args, device: torch.device):
     """``fn(*args)``, through its compiled twin when :func:`enabled`."""
-    if enabled(fn, device):
+    if enabled(fn, device, args):
         with _lock:
             compiled = _compiled.get(fn)
             if compiled is None:
@@ -55,8 +105,14 @@ def call(fn: Callable, *args, device: torch.device):
         try:
             with limits():
                 return compiled(*args)
-        except Exception as exc:  # no C++ compiler, unsupported platform, ...
-            _failed.add(fn)
-            warnings.warn(f"qfa: torch.compile of {fn.__name__} failed ({exc!r}); it runs in eager torch from now on",
+        except Exception as exc:  # no C++ compiler, unsupported platform, an input it cannot take ...
+            environmental = is_environmental(exc)
+            with _lock:
+                if environmental:
+                    _failed.add(fn)
+                else:
+                    _failed_signatures.setdefault(fn, set()).add(signature(args))
+            scope = "from now on" if environmental else "for inputs like these (other inputs still compile)"
+            warnings.warn(f"qfa: torch.compile of {fn.__name__} failed ({exc!r}); it runs in eager torch {scope}",
                           stacklevel=2)
     return fn(*args)
