@@ -1,0 +1,139 @@
+"""Attention on a :class:`~qfa.serving.hif8_cache.HiF8Cache`'s codes: the attention backend's call.
+
+:func:`cached_attention` encodes the tokens the layer queued (with the attention mask, so
+padding is left out), quantises only the query (rotated when the cache rotates), and runs
+``quant_flash_attn`` on the stored codes in place: BNSD, each sequence's valid queries first
+(``seqused_q``) against its compacted keys (``seqused_kv``), causal aligned bottom-right. No
+stored token is dequantised or re-encoded. An attention function registered with transformers
+hands over to it when its keys are a cache's placeholders::
+
+    found = hif8_cache_of(key)
+    if found is not None:
+        cache, layer_idx = found
+        out = cached_attention(module, query, cache, layer_idx, softmax_scale=scaling,
+                               attention_mask=attention_mask, is_causal=is_causal)
+        return out, None
+
+Each sequence's query rows, rotations and key means are handled on that sequence's own tensors,
+so with equal scales a sequence gets the same bits in a padded batch as alone. The per-tensor
+scales are batch statistics: K and V are fixed by the prefill batch, and q (unless static) is
+scaled per call over the batch's valid rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qfa.attention import calibration as cal
+from qfa.attention import rotation
+from qfa.attention.op import quant_flash_attn
+from qfa.attention.smoothing import lse_shift
+from qfa.serving.hif8_cache import CacheHandle, HiF8Cache, HiF8Layer
+from qfa.tiling.checks import check_bool, check_float_tensor, check_positive_float
+from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode, default_softmax_scale
+
+
+def hif8_cache_of(key) -> tuple[HiF8Cache, int] | None:
+    """``(cache, layer_idx)`` when ``key`` is a placeholder returned by ``HiF8Cache.update``, else None."""
+    if isinstance(key, CacheHandle):
+        return key.hif8_cache, key.layer_idx
+    return None
+
+
+def _key_mask(attention_mask, batch: int, seen: int) -> torch.Tensor | None:
+    """The 2D key-validity mask (B, seen) as bool, or None (every token real)."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be None or a tensor, got {type(attention_mask).__name__}")
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seen):
+        raise ValueError(f"attention_mask must be None or a 2D key mask (B, keys) = ({batch}, {seen}) (the "
+                         f"'qfa_hif8' mask function's), got shape {tuple(attention_mask.shape)}")
+    return attention_mask.to(torch.bool)
+
+
+def _check_query(query, layer: HiF8Layer) -> None:
+    check_float_tensor(query, "query")
+    if query.dim() != 4 or query.shape[-1] != HEAD_DIM:
+        raise ValueError(f"query must be BNSD (B, Nq, Sq, {HEAD_DIM}), got {tuple(query.shape)}")
+    b, nkv = layer.keys.shape[:2]
+    if query.shape[0] != b or query.shape[1] % nkv:
+        raise ValueError(f"query must have the cache's batch {b} and a multiple of its {nkv} kv heads, got "
+                         f"{tuple(query.shape)}")
+    if query.device != layer.device:
+        raise ValueError(f"query must be on the cache's device {layer.device}, got {query.device}")
+
+
+def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: int, *,
+                     softmax_scale: float | None = None, attention_mask: torch.Tensor | None = None,
+                     is_causal: bool | None = None, return_softmax_lse: bool = False, backend: str | None = None,
+                     **unused) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` on layer ``layer_idx`` of ``cache``, after encoding its queued tokens.
+
+    Args:
+        module: the attention module (its ``is_causal`` is the default of ``is_causal``).
+        query: float (B, Nq, Sq, 128), BNSD as transformers passes it; its Sq tokens are the
+            last Sq of the layer (those just given to ``update``).
+        attention_mask: None (every token real) or the 2D bool key mask (B, keys) over all the
+            layer's tokens, padding False, queries its last Sq columns (what the ``qfa_hif8``
+            mask function, ``qfa.integrations.transformers.qfa_mask``, builds).
+        softmax_scale: None means 1/sqrt(128) (the model's ``scaling``).
+        is_causal: bottom-right aligned causal attention; None takes ``module.is_causal``
+            (True if it has none).
+        return_softmax_lse: also return the natural-log LSE of the (unsmoothed) scores, fp32
+            (B, Nq, Sq); padded rows and rows without keys get +inf.
+        backend: the op's backend (None: by device).
+
+    Returns:
+        ``out`` (B, Sq, Nq, 128) in the query's dtype (BSND, what transformers' attention
+        functions return; padded query rows are 0), or ``(out, lse)``.
+    """
+    if not isinstance(cache, HiF8Cache):
+        raise TypeError(f"cache must be a qfa.serving.HiF8Cache, got {type(cache).__name__}")
+    layer = cache.layer(layer_idx)
+    _check_query(query, layer)
+    if is_causal is None:
+        is_causal = bool(getattr(module, "is_causal", True))
+    check_bool(is_causal, "is_causal")
+    check_bool(return_softmax_lse, "return_softmax_lse")
+    scale = default_softmax_scale(HEAD_DIM) if softmax_scale is None else check_positive_float(softmax_scale,
+                                                                                               "softmax_scale")
+    b, nq, sq, d = query.shape
+    if sq > layer.seen:
+        raise ValueError(f"query has {sq} tokens but layer {layer_idx} holds {layer.seen}; update the cache first")
+    mask = _key_mask(attention_mask, b, layer.seen)
+    layer.commit(None if mask is None else mask[:, layer.seen - layer.pending:])
+    rows = [torch.arange(sq, device=query.device)] * b if mask is None else \
+        [torch.nonzero(mask[i, layer.seen - sq:], as_tuple=True)[0] for i in range(b)]
+    counts = [int(r.numel()) for r in rows]
+    out = query.new_zeros(b, sq, nq, d)
+    lse = torch.full((b, nq, sq), float("inf"), dtype=torch.float32, device=query.device)
+    if layer.k_scale is None or max(counts) == 0:  # no stored key, or no real query
+        return (out, lse) if return_softmax_lse else out
+    q_seq = [query[i][:, r] for i, r in enumerate(rows)]  # (Nq, n_i, D): each sequence on its own
+    q_rot = [rotation.rotate(t) if layer.rotate else t.float() for t in q_seq]
+    q_scale = layer.q_scale
+    if q_scale is None:
+        q_scale = cal.check_scale(layer.rule(torch.cat([t.reshape(-1) for t in q_rot])),
+                                  "q scale from the calibration rule")
+    width = max(counts)
+    q_codes = torch.zeros(b, nq, width, d, dtype=torch.uint8, device=query.device)
+    for i, t in enumerate(q_rot):
+        q_codes[i, :, :counts[i]] = cal.quantize(t, q_scale)
+    o, l = quant_flash_attn(
+        q_codes, layer.keys, layer.values, q_scale, layer.k_scale, layer.v_scale, QuantMode.HIF8_PER_TENSOR,
+        layout="BNSD", seqused_q=torch.tensor(counts, dtype=torch.int32, device=query.device),
+        seqused_kv=layer.lengths.to(torch.int32), mask_mode=MaskMode.CAUSAL if is_causal else MaskMode.NONE,
+        softmax_scale=scale, return_softmax_lse=return_softmax_lse, backend=backend,
+    )
+    for i, r in enumerate(rows):
+        o_i = o[i, :, :counts[i]]
+        o_i = rotation.rotate(o_i) if layer.rotate else o_i
+        out[i, r] = o_i.transpose(0, 1).to(query.dtype)  # H is its own inverse
+        if return_softmax_lse:
+            l_i = l[i, :, :counts[i]]
+            if layer.k_mean is not None:  # the scores were q.(k - mu): add q.mu back
+                shift = lse_shift(q_seq[i][None], layer.k_mean[i][None], "BNSD", None, scale)[0]
+                l_i = torch.where(torch.isinf(l_i), l_i, l_i + shift)
+            lse[i][:, r] = l_i
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,347 @@
+"""``HiF8Cache``: a transformers ``Cache`` that stores K and V as HiF8 codes (1 byte per element).
+
+::
+
+    cache = HiF8Cache()                      # or HiF8Cache(config=model.config)
+    model.generate(input_ids, past_key_values=cache, ...)   # attn_implementation="qfa_hif8"
+
+Per layer it keeps uint8 codes of shape (B, Nkv, S, 128), one fp32 K scale and one V scale, and,
+with ``smooth_k``, each sequence's per-head, per-channel key mean (fp32 (B, Nkv, 128)). All of
+them are fixed when the layer's first tokens (the prefill) arrive, from the valid tokens only:
+padding never enters a scale or a mean. Later tokens are smoothed with the frozen mean, rotated
+and encoded with the frozen scales (saturating; :attr:`HiF8Layer.saturated` counts clamped
+elements). Both transforms stay exact for softmax with a cache: subtracting a fixed vector from
+every key shifts each score row by a constant, and the Hadamard rotation is one fixed orthogonal
+map (``shared/docs/serving.md``).
+
+Tokens are stored *compacted*: sequence b's valid tokens occupy positions [0, lengths[b]) of its
+row, in order, whatever the left or right padding of the input was. So the op reads the codes in
+place, BNSD with ``seqused_kv``, and a decode step never gathers or re-encodes the cache.
+
+Encoding waits for the attention call. ``update`` (which transformers calls before attention,
+without the attention mask) only queues the new float K/V and returns placeholder tensors
+(:class:`CacheHandle`) that lead the attention function to the cache;
+:func:`qfa.serving.attention.cached_attention` then encodes the queued tokens with the mask it
+is given and runs attention on the codes. The placeholders hold no data: any other use of them
+(e.g. ``attn_implementation="sdpa"`` with this cache) raises an error saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from qfa.attention import calibration as cal
+from qfa.attention import rotation
+from qfa.serving.encoding import encode
+from qfa.tiling.checks import check_bool, check_float_tensor
+from qfa.tiling.spec import HEAD_DIM
+
+ScaleTriple = tuple  # (q_scale | None, k_scale | None, v_scale | None)
+
+#: What may be done with a :class:`CacheHandle`: read its metadata.
+_HANDLE_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__, torch.Tensor.ndim.__get__, torch.Tensor.numel, torch.Tensor.is_floating_point,
+}
+
+
+class CacheHandle(torch.Tensor):
+    """What :meth:`HiF8Cache.update` returns in place of keys/values: a tensor with the shape,
+    dtype and device the stored keys would have (B, Nkv, S, 128), no data, and the attributes
+    ``hif8_cache`` and ``layer_idx`` that lead an attention function to the codes."""
+
+    hif8_cache: "HiF8Cache"
+    layer_idx: int
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device, cache: "HiF8Cache", layer_idx: int):
+        data = torch.empty((), dtype=dtype, device=device).expand(shape)  # zero strides: no memory
+        handle = torch.Tensor._make_subclass(cls, data)
+        handle.hif8_cache, handle.layer_idx = cache, layer_idx
+        return handle
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _HANDLE_METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", repr(func))
+        raise RuntimeError(
+            f"HiF8Cache stores HiF8 codes and returns placeholders from update(), which only qfa's cached "
+            f"attention reads (qfa.serving.attention.cached_attention, e.g. attn_implementation='qfa_hif8'); "
+            f"got {name}() on one. Use a DynamicCache with other attention implementations."
+        )
+
+    def __repr__(self) -> str:  # printing must not run a torch function
+        with torch._C.DisableTorchFunctionSubclass():
+            shape = tuple(self.shape)
+        return f"CacheHandle(layer {self.layer_idx}, shape {shape})"
+
+
+class HiF8Layer(DynamicLayer):
+    """One layer of a :class:`HiF8Cache`: codes, frozen scales and key means, counts.
+
+    Attributes:
+        keys, values: uint8 (B, Nkv, max length, 128) codes; sequence b's valid tokens are
+            positions [0, lengths[b]); past them the codes are 0 and never read.
+        lengths: int64 (B,) stored tokens per sequence.
+        q_scale: static fp32 (1,) q scale, or None (the query is scaled per call by the rule).
+        k_scale, v_scale: fp32 (1,) scales, fixed by the first tokens (or given).
+        k_mean: fp32 (B, Nkv, 128) frozen per-sequence key means (``smooth_k``), else None.
+        saturated_k, saturated_v: elements clamped to +-MAX when encoded.
+    """
+
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, *, calibration: cal.RuleLike | None = None, smooth_k: bool = True, rotate: bool = True,
+                 scales: ScaleTriple | None = None, **kwargs) -> None:
+        super().__init__()
+        self.rule = cal.get_rule(calibration)
+        self.smooth_k, self.rotate = check_bool(smooth_k, "smooth_k"), check_bool(rotate, "rotate")
+        self.q_scale = self.k_scale = self.v_scale = None
+        self._given = _scale_triple(scales)
+        self.k_mean: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+        self.seen = 0  # token columns passed to update (padding included): transformers' length
+        self.saturated_k = self.saturated_v = 0
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def saturated(self) -> int:
+        """Elements of K and V clamped to +-MAX when encoded with the frozen scales."""
+        return self.saturated_k + self.saturated_v
+
+    @property
+    def pending(self) -> int:
+        """Token columns given to ``update`` and not yet encoded (done by the attention call)."""
+        return sum(k.shape[2] for k, _ in self._pending)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for t, name in ((key_states, "key_states"), (value_states, "value_states")):
+            check_float_tensor(t, name)
+            if t.dim() != 4 or t.shape[-1] != HEAD_DIM:
+                raise ValueError(f"HiF8Cache needs {name} of shape (B, Nkv, S, {HEAD_DIM}) (the HiF8 op's only head "
+                                 f"size), got {tuple(t.shape)}")
+        b, n, _, d = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device)
+        self.values = torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device)
+        self.lengths = torch.zeros(b, dtype=torch.long, device=self.device)
+        q, k, v = self._given
+        self.q_scale = None if q is None else cal.check_scale(q, "q_scale", self.device)
+        self.k_scale = None if k is None else cal.check_scale(k, "k_scale", self.device)
+        self.v_scale = None if v is None else cal.check_scale(v, "v_scale", self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise TypeError("HiF8Layer.update needs its cache: call HiF8Cache.update(key_states, value_states, layer_idx)")
+
+    def queue(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Queue new float K/V (B, Nkv, S_new, 128) for encoding by the next attention call."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        expected = (self.keys.shape[0], self.keys.shape[1], key_states.shape[2], HEAD_DIM)
+        for t, name in ((key_states, "key_states"), (value_states, "value_states")):
+            check_float_tensor(t, name)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must have shape (B, Nkv, S_new, D) = {expected} for this layer, got "
+                                 f"{tuple(t.shape)}")
+        self._pending.append((key_states.detach(), value_states.detach()))
+        self.seen += key_states.shape[2]
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def commit(self, valid: torch.Tensor | None) -> None:
+        """Encode the queued tokens. ``valid``: bool (B, pending) marking the real (non-padding)
+        tokens among them, or None (all real). The first tokens fix the scales and key means."""
+        if not self._pending:
+            return
+        k = torch.cat([p[0] for p in self._pending], dim=2)
+        v = torch.cat([p[1] for p in self._pending], dim=2)
+        self._pending = []
+        b, _, s, _ = k.shape
+        if valid is None:
+            valid = torch.ones(b, s, dtype=torch.bool, device=k.device)
+        counts = valid.sum(1)
+        if int(counts.sum()) == 0:  # only padding: nothing to store, nothing to calibrate on
+            return
+        index = [torch.nonzero(valid[i], as_tuple=True)[0] for i in range(b)]
+        # one sequence at a time, on its own contiguous tokens: a sequence's codes are those it
+        # gets alone (same shapes, same reductions), whatever the padding and the batch
+        k_seq = [k[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]  # (n_i, Nkv, D)
+        v_seq = [v[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]
+        if self.smooth_k and self.k_mean is None:
+            self.k_mean = torch.stack([_mean(t, k.shape[1]) for t in k_seq])
+        if self.smooth_k:
+            k_seq = [t.float() - self.k_mean[i] for i, t in enumerate(k_seq)]
+        if self.rotate:
+            k_seq = [rotation.rotate(t) for t in k_seq]
+            v_seq = [rotation.rotate(t) for t in v_seq]
+        k_new, v_new = torch.cat(k_seq), torch.cat(v_seq)  # (sum n_i, Nkv, D), batch-major
+        if self.k_scale is None:
+            self.k_scale = cal.check_scale(self.rule(k_new), "k scale from the calibration rule")
+        if self.v_scale is None:
+            self.v_scale = cal.check_scale(self.rule(v_new), "v scale from the calibration rule")
+        k_codes, k_sat = encode(k_new, self.k_scale)
+        v_codes, v_sat = encode(v_new, self.v_scale)
+        self.saturated_k += k_sat
+        self.saturated_v += v_sat
+        self._write(k_codes, v_codes, counts)
+
+    def _write(self, k_codes: torch.Tensor, v_codes: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append each sequence's new codes after its stored ones (compacted rows)."""
+        new_lengths = self.lengths + counts
+        grow = int(new_lengths.max()) - self.keys.shape[2] if new_lengths.numel() else 0
+        if grow > 0:
+            pad = (0, 0, 0, grow)
+            self.keys = torch.nn.functional.pad(self.keys, pad)
+            self.values = torch.nn.functional.pad(self.values, pad)
+        rows = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        cols = self.lengths[rows] + torch.arange(rows.numel(), device=counts.device) - starts[rows]
+        self.keys.permute(0, 2, 1, 3)[rows, cols] = k_codes
+        self.values.permute(0, 2, 1, 3)[rows, cols] = v_codes
+        self.lengths = new_lengths
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds: codes, scales and key means (queued float tokens excluded)."""
+        if not self.is_initialized:
+            return 0
+        held = [self.keys, self.values, self.k_scale, self.v_scale, self.q_scale, self.k_mean, self.lengths]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    # ---------------------------------------------------------------- batch operations (generate)
+
+    def _select(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        if self._pending:
+            raise ValueError("cannot reorder a HiF8 cache layer with tokens queued for encoding")
+        index = index.to(self.device)
+        self.keys, self.values = self.keys[index], self.values[index]
+        self.lengths = self.lengths[index]
+        if self.k_mean is not None:
+            self.k_mean = self.k_mean[index]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("HiF8Cache cannot be cropped (its rows are compacted, padding removed)")
+
+    def offload(self):
+        raise ValueError("HiF8Cache does not support offloading")
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.q_scale = self.k_scale = self.v_scale = self.k_mean = self.lengths = None
+        self.seen = self.saturated_k = self.saturated_v = 0
+        self._pending = []
+
+
+def _mean(tokens: torch.Tensor, heads: int) -> torch.Tensor:
+    """fp32 per-head, per-channel mean of (n, Nkv, D) tokens; zeros when there are none."""
+    if tokens.shape[0] == 0:
+        return tokens.new_zeros((heads, HEAD_DIM), dtype=torch.float32)
+    return tokens.float().mean(dim=0)
+
+
+def _scale_triple(scales) -> tuple:
+    if scales is None:
+        return (None, None, None)
+    if not isinstance(scales, (tuple, list)) or len(scales) != 3:
+        raise TypeError(f"a layer's scales must be a tuple (q_scale, k_scale, v_scale) (entries may be None), "
+                        f"got {type(scales).__name__}")
+    return tuple(scales)
+
+
+class HiF8Cache(Cache):
+    """A transformers cache storing K and V as HiF8 codes, read by qfa's attention in place.
+
+    Args:
+        config: optional model config: its layers are created up front (every layer must be
+            full attention: the HiF8 op has no sliding window). Without it, layers are created
+            as they are first updated.
+        calibration: the rule that fixes each layer's K and V scales from its prefill
+            (:mod:`qfa.attention.calibration`; None: the default rule), and that scales each
+            call's query when no static q scale is given.
+        smooth_k: subtract each sequence's prefill key mean (per head, per channel; frozen).
+        rotate: Hadamard-rotate K and V before encoding, and queries and outputs in attention.
+        scales: static scales, one ``(q_scale, k_scale, v_scale)`` triple per layer (a sequence
+            or a mapping from layer index; entries may be None, meaning "from the rule"), e.g.
+            ``(m.q_scale, m.k_scale, m.v_scale)`` of a calibrated :class:`qfa.HiF8Attention` run
+            with the same ``smooth_k`` / ``rotate``.
+    """
+
+    def __init__(self, config=None, *, calibration: cal.RuleLike | None = None, smooth_k: bool = True,
+                 rotate: bool = True, scales: Sequence[ScaleTriple] | Mapping[int, ScaleTriple] | None = None) -> None:
+        self.calibration = calibration
+        cal.get_rule(calibration)  # an unknown rule fails here, not at the first token
+        self.smooth_k, self.rotate = check_bool(smooth_k, "smooth_k"), check_bool(rotate, "rotate")
+        if scales is not None and not isinstance(scales, (Sequence, Mapping)):
+            raise TypeError(f"scales must be a sequence or mapping of (q_scale, k_scale, v_scale) per layer, "
+                            f"got {type(scales).__name__}")
+        self.static_scales = scales
+        layers = []
+        if config is not None:
+            text = config.get_text_config(decoder=True)
+            types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+            other = sorted({t for t in types if t != "full_attention"})
+            if other:
+                raise ValueError(f"HiF8Cache supports full-attention layers only (the HiF8 op has no sliding "
+                                 f"window); this config has {other}")
+            layers = [self._new_layer(i) for i in range(len(types))]
+        super().__init__(layers=layers)
+
+    def _new_layer(self, layer_idx: int) -> HiF8Layer:
+        given = None
+        if isinstance(self.static_scales, Mapping):
+            given = self.static_scales.get(layer_idx)
+        elif self.static_scales is not None:
+            if layer_idx >= len(self.static_scales):
+                raise ValueError(f"scales has {len(self.static_scales)} entries, but layer {layer_idx} was updated")
+            given = self.static_scales[layer_idx]
+        return HiF8Layer(calibration=self.calibration, smooth_k=self.smooth_k, rotate=self.rotate, scales=given)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Queue the new K/V of ``layer_idx`` (encoded by the attention call) and return
+        :class:`CacheHandle` placeholders of the keys' and values' full shape."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self._new_layer(len(self.layers)))
+        layer = self.layers[layer_idx]
+        layer.queue(key_states, value_states)
+        shape = (layer.keys.shape[0], layer.keys.shape[1], layer.seen, HEAD_DIM)
+        return (CacheHandle(shape, key_states.dtype, key_states.device, self, layer_idx),
+                CacheHandle(shape, value_states.dtype, value_states.device, self, layer_idx))
+
+    def layer(self, layer_idx: int) -> HiF8Layer:
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (layers updated so far), got {layer_idx}")
+        return self.layers[layer_idx]
+
+    @property
+    def saturated(self) -> list[int]:
+        """Per layer, the K and V elements clamped to +-MAX by the frozen scales."""
+        return [layer.saturated for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers: codes, scales, key means and lengths."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def is_hif8_cache(obj) -> bool:
+    """Whether ``obj`` is a :class:`HiF8Cache` or a placeholder its ``update`` returned."""
+    return isinstance(obj, HiF8Cache) or isinstance(obj, CacheHandle)
