@@ -75,6 +75,9 @@ LAUNCH: dict[str, LaunchOptions] = {
 }
 _DEFAULT_LAUNCH = LaunchOptions(sub_m=64)
 
+#: ``forward`` takes paged K/V (``block_table``) itself.
+READS_PAGED_KV = True
+
 # Rows of the per-batch int32 table the kernel reads (one row per field, B columns).
 _Q_START, _KV_START, _Q_LEN, _KV_LEN, _ROWS = range(5)
 
@@ -106,13 +109,15 @@ def _specials_over_visible(pv, p8, v, visible):
 
 @triton.jit
 def _attention_rows(
-    q_base, k_base, v_base, out_base, lse_base, lut_ptr,
-    row0, q_len, kv_len, rows_b, dscale, ln_p, v_descale,
-    sqs, sqd, sks, skd, svs, svd, sos, sod, sls,
+    q_base, k_base, v_base, out_base, lse_base, lut_ptr, table_base,
+    row0, q_len, kv_len, rows_b, dscale, ln_p, v_descale, page,
+    sqs, sqd, skb, sks, skd, svb, svs, svd, sos, sod, sls,
     SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
+    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """Attention for query rows ``row0 .. row0 + SUB_M`` of one (batch, q head); stores them."""
+    """Attention for query rows ``row0 .. row0 + SUB_M`` of one (batch, q head); stores them.
+    ``PAGED``: key j is at block ``table_base[j // page]``, position ``j % page`` (``skb`` /
+    ``svb`` are the block strides); otherwise at ``j * sks`` from ``k_base``."""
     rows = row0 + tl.arange(0, SUB_M)
     dims = tl.arange(0, HEAD_DIM)
     rows_f = rows.to(tl.float32)
@@ -139,7 +144,14 @@ def _attention_rows(
         cols = j0 + tl.arange(0, BLOCK_N)
         cols_f = cols.to(tl.float32)
         key_ok = cols_f < kv_len
-        kt_codes = tl.load(k_base + dims[:, None] * skd + cols[None, :] * sks, mask=key_ok[None, :], other=0)
+        if PAGED:
+            phys = tl.load(table_base + cols // page, mask=key_ok, other=0).to(tl.int64)
+            k_off = phys * skb + (cols % page) * sks
+            v_off = phys * svb + (cols % page) * svs
+        else:
+            k_off = cols * sks
+            v_off = cols * svs
+        kt_codes = tl.load(k_base + dims[:, None] * skd + k_off[None, :], mask=key_ok[None, :], other=0)
         s = tl.dot(q, hif8_decode(kt_codes, lut_ptr, tl.float16))  # (SUB_M, BLOCK_N) fp32, exact products
         s = tl.where(cols_f[None, :] <= last[:, None], s, float("-inf"))
 
@@ -151,7 +163,7 @@ def _attention_rows(
         l_i = alpha * l_i + tl.sum(p, 1)  # the unquantised P
         p8 = hif8_round_sat(p).to(tl.float16)  # exact: HiF8 values <= 32768 fit fp16
 
-        v_codes = tl.load(v_base + cols[:, None] * svs + dims[None, :] * svd, mask=key_ok[:, None], other=0)
+        v_codes = tl.load(v_base + v_off[:, None] + dims[None, :] * svd, mask=key_ok[:, None], other=0)
         v = hif8_decode(v_codes, lut_ptr, tl.float16)
         special = (v != v) | (tl.abs(v) == float("inf"))
         pv = tl.dot(p8, tl.where(special, 0.0, v).to(tl.float16))
@@ -177,11 +189,11 @@ def _attention_rows(
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, lut_ptr, scalars_ptr, seq_ptr,
-    batch, heads_q, group, n_tiles,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, lut_ptr, scalars_ptr, seq_ptr, table_ptr,
+    batch, heads_q, group, n_tiles, page, stt,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod, slb, slh, sls,
     BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
+    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, PAGED: tl.constexpr,
 ):
     programs = tl.num_programs(0) * tl.num_programs(1)
     pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
@@ -208,14 +220,19 @@ def _attention_kernel(
             q_base = q_ptr + b64 * sqb + h64 * sqh + qs64 * sqs
             out_base = out_ptr + b64 * sob + h64 * soh + qs64 * sos
             lse_base = lse_ptr + b64 * slb + h64 * slh + qs64 * sls
-            k_base = k_ptr + b64 * skb + hk64 * skh + ks64 * sks
-            v_base = v_ptr + b64 * svb + hk64 * svh + ks64 * svs
+            if PAGED:  # paged: the block table row locates the keys; skb / svb are block strides
+                k_base = k_ptr + hk64 * skh
+                v_base = v_ptr + hk64 * svh
+            else:
+                k_base = k_ptr + b64 * skb + hk64 * skh + ks64 * sks
+                v_base = v_ptr + b64 * svb + hk64 * svh + ks64 * svs
+            table_base = table_ptr + b64 * stt
             for sub in tl.static_range(BLOCK_M // SUB_M):
                 _attention_rows(
-                    q_base, k_base, v_base, out_base, lse_base, lut_ptr,
-                    m0 + sub * SUB_M, q_len, kv_len, rows_b, dscale, ln_p, v_descale,
-                    sqs, sqd, sks, skd, svs, svd, sos, sod, sls,
-                    SUB_M, BLOCK_N, HEAD_DIM, CAUSAL, RETURN_LSE,
+                    q_base, k_base, v_base, out_base, lse_base, lut_ptr, table_base,
+                    m0 + sub * SUB_M, q_len, kv_len, rows_b, dscale, ln_p, v_descale, page,
+                    sqs, sqd, skb, sks, skd, svb, svs, svd, sos, sod, sls,
+                    SUB_M, BLOCK_N, HEAD_DIM, CAUSAL, RETURN_LSE, PAGED,
                 )
 
 
@@ -227,6 +244,7 @@ def launch_options(device: torch.device) -> LaunchOptions:
 def forward(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``plan`` on HiF8 codes (uint8) q, k, v; returns (out bf16 in q's layout, lse fp32 or empty).
 
@@ -249,11 +267,12 @@ def forward(
         extra["num_stages"] = opts.num_stages
     _attention_kernel[plan.grid](
         q, k, v, out.view(torch.int16), lse if plan.return_lse else out, lut, scalars, plan.seq_table,
-        plan.batch, plan.heads_q, plan.group, plan.n_tiles,
+        block_table if plan.paged else plan.seq_table,
+        plan.batch, plan.heads_q, plan.group, plan.n_tiles, max(plan.block_size, 1), plan.table_stride,
         *plan.strides_q, *plan.strides_kv, *plan.strides_v, *plan.out_strides,
         *(plan.lse_strides if plan.return_lse else (0, 0, 0)),
         BLOCK_M=plan.block_m, SUB_M=min(opts.sub_m, plan.block_m), BLOCK_N=plan.block_n, HEAD_DIM=plan.head_dim,
-        CAUSAL=plan.causal, RETURN_LSE=plan.return_lse,
+        CAUSAL=plan.causal, RETURN_LSE=plan.return_lse, PAGED=plan.paged,
         **extra,
     )
     return out, lse

@@ -37,6 +37,13 @@ from qfa.tiling.checks import (
 from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
 
 LAYOUTS = ("BNSD", "BSND", "TND")
+#: Paged K/V layouts (with block_table): PA_BBND (blocks, block_size, Nkv, D), PA_BNBD
+#: (blocks, Nkv, block_size, D). Their (block, position-in-block, head, dim) axes:
+PAGED_LAYOUTS = ("PA_BBND", "PA_BNBD")
+_PAGED_AXES = {"PA_BBND": {"blk": 0, "s": 1, "n": 2, "d": 3}, "PA_BNBD": {"blk": 0, "n": 1, "s": 2, "d": 3}}
+#: Paged block sizes: multiples of PAGE_MULTIPLE up to MAX_PAGE (vLLM uses 16 by default).
+PAGE_MULTIPLE = 16
+MAX_PAGE = 1024
 #: ``layout_q_descale`` of the HiF8 mode: a per-tensor scale has no layout; upstream names it so.
 Q_DESCALE_LAYOUTS = ("BSND",)
 #: Keys per softmax block: it changes the numbers (P is quantised relative to the running max).
@@ -69,7 +76,7 @@ P8_OVERSHOOT = 1.25
 _AXES = {"BNSD": {"b": 0, "n": 1, "s": 2, "d": 3}, "BSND": {"b": 0, "s": 1, "n": 2, "d": 3}, "TND": {"s": 0, "n": 1, "d": 2}}
 #: Arguments that upstream has and this mode does not support yet: (name, value meaning "unused").
 _UNSUPPORTED = {
-    "block_table": "paged KV is not supported in the HiF8 mode yet; pass contiguous k/v",
+    "block_table": "paged KV needs layout_kv 'PA_BBND' or 'PA_BNBD' (and seqused_kv); got a contiguous layout_kv",
     "sinks": "attention sinks are not supported (upstream rejects them too)",
 }
 
@@ -97,28 +104,38 @@ def check_mask_mode(mask_mode) -> MaskMode:
     return MaskMode(mask_mode)
 
 
-def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale="BSND") -> str:
-    """The one layout the HiF8 mode runs. ``layout`` is shorthand for all three per-operand
-    layouts; an operand layout left None is qfa's default ``"BNSD"``; the three must agree."""
+def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale="BSND") -> tuple[str, str]:
+    """(layout of q and out, layout of k and v) for the HiF8 mode.
+
+    ``layout`` is shorthand for all three per-operand layouts; an operand layout left None is
+    qfa's default ``"BNSD"``. q and out share one layout; k and v have it too, or a paged one
+    (``PA_BBND`` / ``PA_BNBD``, with ``block_table``).
+    """
     per_operand = {"layout_q": layout_q, "layout_kv": layout_kv, "layout_out": layout_out}
     for name, value in {"layout": layout, **per_operand}.items():
-        if value is not None and value not in LAYOUTS:
-            raise ValueError(f"{name} must be one of {LAYOUTS}, got {value!r}")
+        allowed = LAYOUTS + PAGED_LAYOUTS if name == "layout_kv" else LAYOUTS
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if layout is not None:
-        clash = {n: v for n, v in per_operand.items() if v is not None and v != layout}
+        clash = {n: v for n, v in per_operand.items() if v is not None and v != layout
+                 and not (n == "layout_kv" and v in PAGED_LAYOUTS)}
         if clash:
             raise ValueError(f"layout={layout!r} sets layout_q, layout_kv and layout_out; it contradicts {clash}")
-        chosen = layout
+        chosen, kv = layout, layout_kv if layout_kv in PAGED_LAYOUTS else layout
     else:
         resolved = {n: "BNSD" if v is None else v for n, v in per_operand.items()}
+        kv = resolved["layout_kv"]
+        if kv in PAGED_LAYOUTS:
+            resolved.pop("layout_kv")
         if len(set(resolved.values())) != 1:
-            raise ValueError(f"layout_q, layout_kv and layout_out must be equal in the HiF8 mode (unset ones are "
-                             f"'BNSD'), got {resolved}")
+            raise ValueError(f"layout_q, layout_kv and layout_out must be equal in the HiF8 mode, except for a paged "
+                             f"layout_kv (unset ones are 'BNSD'), got {resolved | {'layout_kv': kv}}")
         chosen = resolved["layout_q"]
+        kv = chosen if kv not in PAGED_LAYOUTS else kv
     if layout_q_descale not in Q_DESCALE_LAYOUTS:
         raise ValueError(f"layout_q_descale must be 'BSND' in the HiF8 mode (a per-tensor descale), "
                          f"got {layout_q_descale!r}")
-    return chosen
+    return chosen, kv
 
 
 def check_softmax_scale(softmax_scale) -> float:
@@ -240,7 +257,8 @@ class AttentionMetadata:
     """
 
     quant_mode: QuantMode
-    layout: str
+    layout: str  # of q and out
+    layout_kv: str  # of k and v: ``layout``, or a paged layout
     heads_q: int
     heads_kv: int
     head_dim: int
@@ -264,6 +282,10 @@ class AttentionMetadata:
     def causal(self) -> bool:
         return self.mask_mode == MaskMode.CAUSAL
 
+    @property
+    def paged(self) -> bool:
+        return self.layout_kv in PAGED_LAYOUTS
+
 
 def _length_signature(**tensors) -> tuple:
     return tuple((name, None if t is None else (t.dtype, tuple(t.shape))) for name, t in sorted(tensors.items()))
@@ -275,6 +297,7 @@ def plan_metadata(
     max_seqlen_q: int = -1, max_seqlen_kv: int = -1, head_dim_v=None, mask_mode=MaskMode.NONE,
     win_left: int = -1, win_right: int = -1, layout: str = "BNSD", layout_q_descale: str = "BSND",
     is_grad_enabled: bool = False, total_q: int | None = None, total_kv: int | None = None,
+    layout_kv: str | None = None,
 ) -> AttentionMetadata:
     """Validate the tensor-independent arguments and read the per-batch lengths (a host read of
     ``cu_seqlens`` / ``seqused``: the one device synchronisation of a plan, paid here once).
@@ -300,14 +323,15 @@ def plan_metadata(
     max_seqlen_kv = _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    resolve_layouts(layout, None, None, None, layout_q_descale)
+    layout, layout_kv = resolve_layouts(layout, None, layout_kv, None, layout_q_descale)
+    paged = layout_kv in PAGED_LAYOUTS
     named = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q,
              "seqused_kv": seqused_kv}
     if layout == "TND" and batch_size is not None:
         raise ValueError("batch_size is not accepted with layout 'TND' (cu_seqlens_q gives the batch)")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
         raise TypeError(f"batch_size must be an int or None, got {type(batch_size).__name__} {batch_size!r}")
-    batch = check_sequence_lengths(layout, batch=batch_size, max_batch=MAX_BATCH, **named)
+    batch = check_sequence_lengths(layout, batch=batch_size, max_batch=MAX_BATCH, kv_paged=paged, **named)
     devices = {t.device for t in named.values() if isinstance(t, torch.Tensor)}
 
     # The host reads, after every static check.
@@ -318,29 +342,32 @@ def plan_metadata(
     q_lens = kv_lens = q_starts = kv_starts = None
     if layout == "TND":
         cu_q_list = int32_vector(cu_seqlens_q, "cu_seqlens_q", batch + 1)
-        cu_kv_list = int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
         q_lens = cumulative_lengths(cu_q_list, "cu_seqlens_q", total_q)
-        kv_lens = cumulative_lengths(cu_kv_list, "cu_seqlens_kv", total_kv)
-        q_starts, kv_starts = tuple(cu_q_list[:-1]), tuple(cu_kv_list[:-1])
-        total_q, total_kv = cu_q_list[-1], cu_kv_list[-1]
+        q_starts, total_q = tuple(cu_q_list[:-1]), cu_q_list[-1]
+        if not paged:
+            cu_kv_list = int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
+            kv_lens = cumulative_lengths(cu_kv_list, "cu_seqlens_kv", total_kv)
+            kv_starts, total_kv = tuple(cu_kv_list[:-1]), cu_kv_list[-1]
     used_q = int32_vector(seqused_q, "seqused_q", batch) if seqused_q is not None else None
     used_kv = int32_vector(seqused_kv, "seqused_kv", batch) if seqused_kv is not None else None
     if layout != "TND":  # lengths are the tensors' (known here only through total_*) unless seqused
         q_lens = [total_q] * batch if total_q is not None and batch else None
-        kv_lens = [total_kv] * batch if total_kv is not None and batch else None
+        kv_lens = [total_kv] * batch if total_kv is not None and batch and not paged else None
     q_lens = apply_seqused(q_lens, used_q, "seqused_q")
     kv_lens = apply_seqused(kv_lens, used_kv, "seqused_kv")
     if layout != "TND":
         q_lens = q_lens if used_q is not None else None
         kv_lens = kv_lens if used_kv is not None else None
+    if paged:  # keys live in blocks: no token axis, every sequence's keys start at 0
+        kv_starts, total_kv = (0,) * batch if layout == "TND" else None, None
     for lens, bound, name in ((q_lens, max_seqlen_q, "max_seqlen_q"), (kv_lens, max_seqlen_kv, "max_seqlen_kv")):
         if lens is not None and bound != -1 and max(lens, default=0) > bound:
             raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
     return AttentionMetadata(
-        quant_mode=quant_mode, layout=layout, heads_q=num_heads_q, heads_kv=num_heads_kv, head_dim=head_dim,
+        quant_mode=quant_mode, layout=layout, layout_kv=layout_kv, heads_q=num_heads_q, heads_kv=num_heads_kv, head_dim=head_dim,
         mask_mode=mask_mode, batch=batch, q_lens=None if q_lens is None else tuple(q_lens),
         kv_lens=None if kv_lens is None else tuple(kv_lens), q_starts=q_starts, kv_starts=kv_starts,
-        total_q=total_q if layout == "TND" else None, total_kv=total_kv if layout == "TND" else None,
+        total_q=total_q if layout == "TND" else None, total_kv=total_kv if layout == "TND" and not paged else None,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
         device=next(iter(devices)) if devices else None,
         length_args=_length_signature(**named),
@@ -389,6 +416,17 @@ class AttentionPlan:
     n_tiles: int  # query tiles of block_m rows per (batch, q head): ceil(max(rows) / block_m)
     #: Query positions per tile of the torch path (CPU): see :func:`torch_tile_rows`.
     torch_rows: int
+    #: Paged K/V (layout_kv PA_*): strides_kv/v are then (block, head, position in block, dim)
+    #: and key j of batch b sits at block block_table[b, j // block_size], position j % block_size.
+    layout_kv: str = ""
+    block_size: int = 0
+    num_blocks: int = 0
+    table_width: int = 0
+    table_stride: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return self.block_size > 0
 
     @property
     def group(self) -> int:
@@ -453,9 +491,14 @@ def _grid(programs_bh: int, tiles_m: int, device: torch.device) -> tuple[int, in
     return (programs_bh, max(tiles_m, 1))
 
 
-def _geometry_key(q, k, v, softmax_scale: float, return_lse: bool) -> tuple:
+def _geometry_key(q, k, v, softmax_scale: float, return_lse: bool, block_table=None) -> tuple:
+    table = None
+    if isinstance(block_table, torch.Tensor):
+        table = (tuple(block_table.shape), block_table.stride(), block_table.dtype, block_table.device)
+    elif block_table is not None:
+        table = type(block_table)
     return (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), q.dtype, q.device,
-            softmax_scale, return_lse)
+            softmax_scale, return_lse, table)
 
 
 def check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale) -> None:
@@ -519,41 +562,108 @@ def check_scale_values(plan: "AttentionPlan", q_descale, k_descale, v_descale, p
 
 
 def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax_lse: bool = False,
-         attn_mask=None) -> AttentionPlan:
+         attn_mask=None, block_table=None) -> AttentionPlan:
     """``meta`` applied to tensors q, k, v (already checked by :func:`check_run_tensors`): shape
     rules, lengths against the tensors, output geometry, tiles and grid. Host arithmetic only;
     the plan is cached in ``meta`` per geometry."""
     softmax_scale = check_softmax_scale(softmax_scale)
     return_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     _check_attn_mask(attn_mask, meta.mask_mode)
-    key = _geometry_key(q, k, v, softmax_scale, return_lse)
+    key = _geometry_key(q, k, v, softmax_scale, return_lse, block_table)
     plan = meta._plans.get(key)
     if plan is not None:
         return plan
-    plan = _bind(meta, q, k, v, softmax_scale, return_lse)
+    plan = _bind(meta, q, k, v, softmax_scale, return_lse, block_table)
     with meta._lock:
         return meta._plans.setdefault(key, plan)
 
 
-def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bool) -> AttentionPlan:
+def _paged_shape(t: torch.Tensor, name: str, layout_kv: str) -> dict[str, int]:
+    axes = _PAGED_AXES[layout_kv]
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D for layout_kv {layout_kv} ({'(blocks, block_size, Nkv, D)' if layout_kv == 'PA_BBND' else '(blocks, Nkv, block_size, D)'}), "
+                         f"got shape {tuple(t.shape)}")
+    return {k: t.shape[i] for k, i in axes.items()}
+
+
+def paged_strides(t: torch.Tensor, layout_kv: str) -> tuple[int, int, int, int]:
+    """Element strides of paged ``t`` as (block, head, position in block, dim)."""
+    axes = _PAGED_AXES[layout_kv]
+    return (t.stride(axes["blk"]), t.stride(axes["n"]), t.stride(axes["s"]), t.stride(axes["d"]))
+
+
+def _check_paged(meta: AttentionMetadata, q, k, v, block_table, qs: dict, batch: int) -> tuple[dict, int]:
+    """Shapes of paged k/v and of the block table; returns k's sizes and the table width."""
+    ks, vs = _paged_shape(k, "k", meta.layout_kv), _paged_shape(v, "v", meta.layout_kv)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for shape, name in ((qs, "q"), (ks, "k")):
+        if shape["d"] != HEAD_DIM:
+            raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
+    check_heads(qs["n"], ks["n"])
+    page = ks["s"]
+    if not (0 < page <= MAX_PAGE and page % PAGE_MULTIPLE == 0):
+        raise ValueError(f"block size of paged k/v must be a multiple of {PAGE_MULTIPLE} up to {MAX_PAGE}, got {page}")
+    if block_table is None:
+        raise ValueError(f"layout_kv {meta.layout_kv!r} needs block_table (int32, (B, max blocks per sequence))")
+    require_tensor(block_table, "block_table")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape (B={batch}, max blocks per sequence), got "
+                         f"{tuple(block_table.shape)}")
+    width = block_table.shape[1]
+    for b, n in enumerate(meta.kv_lens):
+        if n > width * page:
+            raise ValueError(f"seqused_kv[{b}] = {n} needs {-(-n // page)} blocks of {page}, but block_table rows "
+                             f"hold {width}")
+    return ks, width
+
+
+def check_block_table_values(plan: "AttentionPlan", block_table: torch.Tensor) -> None:
+    """Every block a sequence uses is in [0, num_blocks): a host read, so done on CPU only (on a
+    device a table changes every decode step, and reading it would synchronise each call).
+    Upstream leaves bad values undefined. The table's shape against the lengths
+    (``seqused_kv`` <= blocks per row * block size) is checked everywhere, with no read."""
+    if plan.device.type == "meta":
+        return
+    rows = block_table.tolist()
+    for b, n in enumerate(plan.kv_lens):
+        used = rows[b][: -(-n // plan.block_size)]
+        bad = [(j, x) for j, x in enumerate(used) if not 0 <= x < plan.num_blocks]
+        if bad:
+            j, x = bad[0]
+            raise ValueError(f"block_table[{b}, {j}] must be a block index in [0, {plan.num_blocks}), got {x}")
+
+
+def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bool, block_table=None) -> AttentionPlan:
     layout = meta.layout
     device = q.device
     if meta.device is not None and meta.device != device:
         raise ValueError(f"cu_seqlens / seqused must be on q's device {device}, got {meta.device}")
-    check_devices(device, {"k": k, "v": v})
-    qs, ks = check_shapes(q, k, v, layout)
+    check_devices(device, {"k": k, "v": v, "block_table": block_table})
+    paged = meta.paged
+    if paged:
+        qs = _shape_of(q, "q", layout)
+        batch = meta.batch if layout == "TND" else qs["b"]
+        ks, width = _check_paged(meta, q, k, v, block_table, qs, batch)
+    else:
+        if block_table is not None:
+            check_unsupported(-1, -1, block_table=block_table)
+        qs, ks = check_shapes(q, k, v, layout)
+        width = 0
     if (qs["n"], ks["n"]) != (meta.heads_q, meta.heads_kv):
         raise ValueError(f"q/k heads must match the metadata's ({meta.heads_q}, {meta.heads_kv}), "
                          f"got ({qs['n']}, {ks['n']})")
     if layout == "TND":
-        for total, got, name in ((meta.total_q, qs["s"], "q"), (meta.total_kv, ks["s"], "k")):
-            if got != total:
-                name_cu = "cu_seqlens_q" if name == "q" else "cu_seqlens_kv"
-                raise ValueError(f"{name_cu}[-1] must equal the token count {got} of the tensor, got {total}")
+        if qs["s"] != meta.total_q:
+            raise ValueError(f"cu_seqlens_q[-1] must equal the token count {qs['s']} of the tensor, got {meta.total_q}")
+        if not paged and ks["s"] != meta.total_kv:
+            raise ValueError(f"cu_seqlens_kv[-1] must equal the token count {ks['s']} of the tensor, got {meta.total_kv}")
         batch = meta.batch
         q_lens, kv_lens = meta.q_lens, meta.kv_lens
         q_starts, kv_starts = meta.q_starts, meta.kv_starts
-        seq_q, seq_kv = max(q_lens, default=0), max(kv_lens, default=0)
+        seq_q = max(q_lens, default=0)
         ends = list(q_starts[1:]) + [qs["s"]]
         rows = tuple(end - start for start, end in zip(q_starts, ends))
     else:
@@ -562,13 +672,17 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
             raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
         if meta.batch is not None and meta.batch != batch:
             raise ValueError(f"batch size of q must equal the metadata's ({meta.batch}), got {batch}")
-        seq_q, seq_kv = qs["s"], ks["s"]
+        seq_q = qs["s"]
         q_lens = tuple(apply_seqused([seq_q] * batch, meta.q_lens and list(meta.q_lens), "seqused_q"))
-        kv_lens = tuple(apply_seqused([seq_kv] * batch, meta.kv_lens and list(meta.kv_lens), "seqused_kv"))
+        if paged:
+            kv_lens = meta.kv_lens
+        else:
+            kv_lens = tuple(apply_seqused([ks["s"]] * batch, meta.kv_lens and list(meta.kv_lens), "seqused_kv"))
         q_starts = kv_starts = (0,) * batch
         rows = (seq_q,) * batch
     if not 0 < batch <= MAX_BATCH:
         raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
+    seq_kv = max(kv_lens, default=0) if paged or layout == "TND" else ks["s"]
     out_shape = tuple(q.shape)
     out_strides = _contiguous_strides(out_shape)
     axes = _AXES[layout]
@@ -577,24 +691,29 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
     lse_sh = lse_shape(out_shape, layout)
     lse_st = (0, *_contiguous_strides(lse_sh)) if layout == "TND" else _contiguous_strides(lse_sh)
     n_tiles = math.ceil(max(rows, default=0) / BLOCK_M)
+    kv_strides = (lambda t: paged_strides(t, meta.layout_kv)) if paged else (lambda t: normalised_strides(t, layout))
     return AttentionPlan(
         meta=meta, layout=layout, device=device, batch=batch, heads_q=meta.heads_q, heads_kv=meta.heads_kv,
         head_dim=HEAD_DIM, seq_q=seq_q, seq_kv=seq_kv, q_starts=tuple(q_starts), kv_starts=tuple(kv_starts),
         q_lens=q_lens, kv_lens=kv_lens, rows=rows, strides_q=normalised_strides(q, layout),
-        strides_kv=normalised_strides(k, layout), strides_v=normalised_strides(v, layout), out_shape=out_shape,
+        strides_kv=kv_strides(k), strides_v=kv_strides(v), out_shape=out_shape,
         out_strides=out_norm, lse_shape=lse_sh, lse_strides=lse_st, causal=meta.causal,
         softmax_scale=softmax_scale, return_lse=return_lse, block_m=BLOCK_M, block_n=BLOCK_N, n_tiles=n_tiles,
         torch_rows=torch_tile_rows(meta.heads_q // meta.heads_kv),
+        layout_kv=meta.layout_kv, block_size=ks["s"] if paged else 0, num_blocks=ks["blk"] if paged else 0,
+        table_width=width, table_stride=block_table.stride(0) if paged else 0,
     )
 
 
 def check_against_metadata(meta: AttentionMetadata, *, layout: str, mask_mode, cu_seqlens_q, cu_seqlens_kv,
-                           seqused_q, seqused_kv) -> None:
+                           seqused_q, seqused_kv, layout_kv: str | None = None) -> None:
     """A run with ``metadata=`` must pass what the metadata was planned with: the same layout and
     mask, and length tensors alike in dtype and shape (their values are the metadata's: reading
     them again would cost a device synchronisation)."""
     if layout != meta.layout:
         raise ValueError(f"layout must be the metadata's {meta.layout!r}, got {layout!r}")
+    if layout_kv is not None and layout_kv != meta.layout_kv:
+        raise ValueError(f"layout_kv must be the metadata's {meta.layout_kv!r}, got {layout_kv!r}")
     if check_mask_mode(mask_mode) != meta.mask_mode:
         raise ValueError(f"mask_mode must be the metadata's {int(meta.mask_mode)}, got {mask_mode!r}")
     given = _length_signature(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
@@ -609,25 +728,35 @@ def plan_attention(
     q, k, v, q_descale, k_descale, v_descale, quant_mode, *, p_scale=None, layout="BNSD", cu_seqlens_q=None,
     cu_seqlens_kv=None, seqused_q=None, seqused_kv=None, attn_mask=None, mask_mode=0, softmax_scale=None,
     return_softmax_lse=False, block_table=None, sinks=None, win_left=-1, win_right=-1, max_seqlen_q=-1,
-    max_seqlen_kv=-1,
+    max_seqlen_kv=-1, layout_kv=None,
 ) -> AttentionPlan:
-    """Validate one quant_flash_attn call against the spec and derive its plan (metadata + bind)."""
+    """Validate one quant_flash_attn call against the spec and derive its plan (metadata + bind).
+    ``layout_kv`` None is ``layout``; a paged one (``PA_BBND`` / ``PA_BNBD``) needs block_table."""
+    layout_kv = layout if layout_kv is None else layout_kv
+    paged = layout_kv in PAGED_LAYOUTS
     check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale)
     check_quant_mode(quant_mode)
-    check_unsupported(win_left, win_right, block_table=block_table, sinks=sinks)
+    check_unsupported(win_left, win_right, sinks=sinks, **({} if paged else {"block_table": block_table}))
     check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
-                              "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
-                              "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
-                              "attn_mask": attn_mask})
-    qs, ks = check_shapes(q, k, v, layout)
+                             "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
+                             "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
+                             "attn_mask": attn_mask, "block_table": block_table})
+    if paged:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        qs, ks = _shape_of(q, "q", layout), _paged_shape(k, "k", layout_kv)
+    else:
+        qs, ks = check_shapes(q, k, v, layout)
     tnd = layout == "TND"
     meta = plan_metadata(
         qs["n"], ks["n"], qs["d"], quant_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
         seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=None if tnd else qs["b"],
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask_mode=mask_mode, layout=layout,
-        total_q=qs["s"], total_kv=ks["s"],
+        total_q=qs["s"], total_kv=None if paged else ks["s"], layout_kv=layout_kv,
     )
     plan = bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
-                attn_mask=attn_mask)
+                attn_mask=attn_mask, block_table=block_table)
     check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
+    if paged and host_reads_are_free(plan.device):  # a table changes every decode step: never a sync
+        check_block_table_values(plan, block_table)
     return plan

@@ -77,7 +77,7 @@ def check_positive_float(value, name: str) -> float:
 
 def check_sequence_lengths(layout: str, *, batch: int | None = None, device: torch.device | None = None,
                            cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None,
-                           max_batch: int | None = None) -> int | None:
+                           max_batch: int | None = None, kv_paged: bool = False) -> int | None:
     """The static rules of the per-sequence lengths; returns the batch size B.
 
     TND needs ``cu_seqlens_q`` and ``cu_seqlens_kv`` (int32, 1-D, B + 1 entries; B is then
@@ -88,6 +88,9 @@ def check_sequence_lengths(layout: str, *, batch: int | None = None, device: tor
     ``max_batch``, B must be in [1, max_batch]. Reads no tensor value (no device sync): the values
     (leading 0, monotone, within the tensor) are :func:`cumulative_lengths` and
     :func:`apply_seqused`'s job. ``layout`` must already be one of the layouts.
+
+    ``kv_paged`` (k/v in a paged layout): the keys' lengths come from ``seqused_kv``, which is
+    then required, and ``cu_seqlens_kv`` is refused.
     """
     named = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q,
              "seqused_kv": seqused_kv}
@@ -98,7 +101,20 @@ def check_sequence_lengths(layout: str, *, batch: int | None = None, device: tor
         devices = {t.device for t in named.values() if isinstance(t, torch.Tensor)}
         if len(devices) > 1:
             raise ValueError(f"cu_seqlens and seqused tensors must share one device, got {sorted(map(str, devices))}")
-    if layout == "TND":
+    if kv_paged:
+        if cu_seqlens_kv is not None:
+            raise ValueError("cu_seqlens_kv is not for paged k/v: seqused_kv gives each sequence's key count")
+        if seqused_kv is None:
+            raise ValueError("paged k/v (block_table) needs seqused_kv (int32, B): each sequence's key count")
+    if layout == "TND" and kv_paged:
+        if cu_seqlens_q is None:
+            raise ValueError("layout 'TND' needs cu_seqlens_q (int32, B+1, leading 0)")
+        cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")
+        if cu_q.dim() != 1 or cu_q.numel() < 2:
+            raise ValueError(f"cu_seqlens_q must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_q.shape)}")
+        batch = cu_q.numel() - 1
+        check_int32_vector(cu_q, "cu_seqlens_q", batch + 1)
+    elif layout == "TND":
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("layout 'TND' needs cu_seqlens_q and cu_seqlens_kv (int32, B+1, leading 0)")
         cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from qfa import backends
+from qfa.attention import paged
 from qfa.cast.api import as_codes
 from qfa.tiling import attention as tiling
 from qfa.tiling.attention import AttentionMetadata, AttentionPlan, plan_attention
@@ -46,12 +47,13 @@ def quant_flash_attn_metadata(
     a run must be alike (dtype, shape) to those planned with; their values are not read again.
     Layouts as in :func:`quant_flash_attn` (``layout`` sets all three; default ``"BNSD"``).
     """
-    chosen = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    chosen, chosen_kv = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
     return tiling.plan_metadata(
         num_heads_q, num_heads_kv, head_dim, quant_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
         seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=batch_size, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, head_dim_v=head_dim_v, mask_mode=mask_mode, win_left=win_left,
         win_right=win_right, layout=chosen, layout_q_descale=layout_q_descale, is_grad_enabled=is_grad_enabled,
+        layout_kv=chosen_kv,
     )
 
 
@@ -127,18 +129,18 @@ def quant_flash_attn(
         ``(out, lse)``: out is bf16 in q's layout and shape, rounded half away from zero. Rows
         that see no key (padding, or the first Sq - Skv rows of a causal call) give 0 and lse +inf.
     """
-    chosen = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    chosen, chosen_kv = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
     if metadata is None:
         plan = plan_attention(
             q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale=p_scale, layout=chosen,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
             attn_mask=attn_mask, mask_mode=mask_mode, softmax_scale=softmax_scale,
             return_softmax_lse=return_softmax_lse, block_table=block_table, sinks=sinks, win_left=win_left,
-            win_right=win_right, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            win_right=win_right, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, layout_kv=chosen_kv,
         )
     else:
         plan = _plan_from_metadata(
-            metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, chosen, cu_seqlens_q,
+            metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, chosen, chosen_kv, cu_seqlens_q,
             cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse,
             block_table, sinks, win_left, win_right, max_seqlen_q, max_seqlen_kv,
         )
@@ -146,7 +148,13 @@ def quant_flash_attn(
         return plan.new_outputs()
     q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
     with torch.no_grad():  # an inference op: a descale that requires grad must not build a graph
-        return _backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+        kernel = _backend(plan, backend)
+        if not plan.paged:
+            return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+        if not getattr(kernel, "READS_PAGED_KV", False):  # contiguous K/V only: gather the blocks' codes
+            flat_plan, k, v = paged.contiguous(plan, k, v, block_table)
+            return kernel.forward(flat_plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+        return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table=block_table)
 
 
 def _backend(plan: AttentionPlan, requested: str | None):
@@ -154,12 +162,13 @@ def _backend(plan: AttentionPlan, requested: str | None):
         from qfa.kernels import attention as kernel
     else:  # the native CPU kernel where it builds, else the pure-torch path (same contract)
         from qfa.attention import cpu_kernel, torch_path
-        kernel = cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() else torch_path
+        native = plan.device.type == "cpu" and cpu_kernel.available()
+        kernel = cpu_kernel if native else torch_path
     return kernel
 
 
 def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, layout,
-                        cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale,
+                        layout_kv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale,
                         return_softmax_lse, block_table, sinks, win_left, win_right, max_seqlen_q,
                         max_seqlen_kv) -> AttentionPlan:
     """The plan of a run with ready metadata: static checks only, no host read on devices."""
@@ -171,17 +180,20 @@ def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quan
     tiling.check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale)
     if tiling.check_quant_mode(quant_mode) != metadata.quant_mode:
         raise ValueError(f"quant_mode must be the metadata's {int(metadata.quant_mode)}, got {quant_mode!r}")
-    tiling.check_unsupported(win_left, win_right, block_table=block_table, sinks=sinks)
+    tiling.check_unsupported(win_left, win_right, sinks=sinks)
     for value, planned, name in ((max_seqlen_q, metadata.max_seqlen_q, "max_seqlen_q"),
                                  (max_seqlen_kv, metadata.max_seqlen_kv, "max_seqlen_kv")):
         if value not in (-1, planned):
             raise ValueError(f"{name} must be -1 or the metadata's {planned}, got {value!r}")
     tiling.check_against_metadata(metadata, layout=layout, mask_mode=mask_mode, cu_seqlens_q=cu_seqlens_q,
-                                  cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv)
+                                  cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
+                                  layout_kv=layout_kv)
     tiling.check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                                      "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
     plan = tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
-                       attn_mask=attn_mask)
+                       attn_mask=attn_mask, block_table=block_table)
     if tiling.host_reads_are_free(q.device):
         tiling.check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
+        if plan.paged:
+            tiling.check_block_table_values(plan, block_table)
     return plan

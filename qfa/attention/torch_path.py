@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from qfa import _compile
+from qfa.attention import paged
 from qfa.attention.cpu_gemm import matmul_nt
 from qfa.cast import format as fmt
 from qfa.cast import luts
@@ -32,6 +33,8 @@ from qfa.tiling import attention as tiling
 from qfa.tiling.attention import AttentionPlan
 
 _BF16_ROUND_BIT = 0x8000
+#: ``forward`` takes paged K/V (``block_table``) itself.
+READS_PAGED_KV = True
 
 
 def round_to_hif8(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -149,13 +152,15 @@ def _normalise(o, m, l, sees):
 def forward(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor)."""
+    """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor).
+    ``block_table``: the paged plans' (B, max blocks) int32 table of physical blocks."""
     with _compile.limits():
-        return _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+        return _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table)
 
 
-def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
+def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table=None):
     device = plan.device
     Nq, Nkv, G, D, BN = plan.heads_q, plan.heads_kv, plan.group, plan.head_dim, plan.block_n
     dscale, ln_p, v_descale = plan.scalars(q_descale, k_descale, v_descale, p_scale).split(1)
@@ -175,8 +180,12 @@ def _forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale):
         q_b = _per_batch(q, plan.strides_q, Nq, b, q_start, q_len)
         # fp32 K and V one block of keys at a time: each block is a separate allocation small
         # enough to be recycled from call to call (a 32 MiB one would be page-faulted in anew).
-        k_b = _per_batch(k, plan.strides_kv, Nkv, b, plan.kv_starts[b], kv_len)
-        v_b = _per_batch(v, plan.strides_v, Nkv, b, plan.kv_starts[b], kv_len)
+        if plan.paged:
+            k_b = paged.keys_of(k, plan.strides_kv, plan, block_table, b, kv_len)
+            v_b = paged.keys_of(v, plan.strides_v, plan, block_table, b, kv_len)
+        else:
+            k_b = _per_batch(k, plan.strides_kv, Nkv, b, plan.kv_starts[b], kv_len)
+            v_b = _per_batch(v, plan.strides_v, Nkv, b, plan.kv_starts[b], kv_len)
         k_blocks = [_decode(k_b[:, j0 : j0 + BN], dec) for j0 in range(0, kv_len, BN)]
         v_blocks = [_decode(v_b[:, j0 : j0 + BN], dec) for j0 in range(0, kv_len, BN)]
         # NaN/Inf in V need a masked sum (see _pv_with_specials); a host read, so only on CPU:
