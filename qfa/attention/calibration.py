@@ -76,6 +76,14 @@ def _amax(flat: torch.Tensor, name: str = "x") -> torch.Tensor:
     return amax
 
 
+def check_finite(x: torch.Tensor, name: str) -> None:
+    """ValueError naming ``name`` when ``x`` holds NaN or Inf (a per-tensor scale needs finite
+    values); one reduction in ``x``'s dtype, no float copy."""
+    if x.numel() and not bool(torch.isfinite(x.detach().abs().amax())):
+        raise ValueError(f"{name} contains NaN or Inf values; a per-tensor HiF8 scale needs finite values "
+                         f"(with static scales, scales=..., NaN/Inf are quantised to HiF8's NaN/Inf codes)")
+
+
 def _one(flat: torch.Tensor) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=flat.device)
 

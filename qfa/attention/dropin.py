@@ -19,6 +19,7 @@ from qfa.attention import calibration as cal
 from qfa.attention import dropin_eager, dropin_inputs
 from qfa.attention import dropin_op  # noqa: F401  (registers torch.ops.qfa.hif8_attention)
 from qfa.attention.dropin_call import DropinCall as _D
+from qfa.attention.op import Metadata
 from qfa.tiling.checks import check_bool
 
 #: Deprecated keyword spellings and the names that replace them (upstream's).
@@ -49,7 +50,7 @@ def hif8_attention(
     calibration: cal.RuleLike | None = _D.calibration, smooth_k: bool = _D.smooth_k,
     p_scale: Union[float, torch.Tensor, None] = None, scales: Optional[Sequence] = None,
     return_softmax_lse: bool = _D.return_softmax_lse, backend: Optional[str] = _D.backend,
-    rotate: bool = _D.rotate, **deprecated,
+    rotate: bool = _D.rotate, metadata: Optional[Metadata] = None, **deprecated,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention on fp16/bf16/fp32 tensors through HiF8 per-tensor quantisation (quant_mode 0).
 
@@ -78,10 +79,18 @@ def hif8_attention(
             (exact for softmax; see :mod:`qfa.attention.smoothing`). Strongly recommended for
             models with K bias terms.
         p_scale: float or fp32 (1,) tensor, where P lands on the HiF8 grid (None: 1.0, best
-            for HiF8).
+            for HiF8). Valid range [2^-15, 2^15] (HiF8's normal binades); outside it is a
+            ValueError (P would saturate or flush to 0).
         scales: optional ``(q_scale, k_scale, v_scale)`` static scales (floats or fp32 (1,)
             tensors; None entries are computed by ``calibration``). With ``smooth_k`` the K scale
-            applies to the smoothed K (and with ``rotate`` to the rotated tensors).
+            applies to the smoothed K (and with ``rotate`` to the rotated tensors). They are the
+            op's descales, so the op's ranges apply (ValueError outside them): each finite and
+            > 0; ``softmax_scale * q_scale * k_scale <= FLT_MAX / (128 * 32768^2)`` (about
+            2.5e27: no scaled score can overflow fp32); ``v_scale * p_scale <= FLT_MAX /
+            (1.25 * 32768 * Skv)`` with Skv the longest key sequence (P @ V cannot overflow).
+            Computed scales meet them for any finite input of a few orders of magnitude below
+            fp32's range; NaN or Inf in a tensor whose scale is computed is a ValueError naming
+            it (with a static scale they become HiF8's NaN/Inf codes).
         rotate: rotate the head dimension of q, k and v by a normalised Hadamard matrix before
             quantising and rotate the output back (exact in real arithmetic, see
             :mod:`qfa.attention.rotation`): it spreads outlier channels, so per-tensor scales
@@ -92,9 +101,18 @@ def hif8_attention(
             (B, Nq, Sq) or (Nq, Tq) for TND; rows that see no key get +inf. (``return_lse=``
             is a deprecated alias.)
         backend: ``"torch"`` / ``"triton"`` / None (by device, or ``$QFA_BACKEND``).
+        metadata: optional plan of the op (:func:`qfa.quant_flash_attn_metadata`, or the
+            ``AttentionPlan`` of an earlier call) for this call's layout, heads, mask and length
+            tensors: the lengths are then not read on the host again (the values must be those
+            it was planned with). Plan once, run many: the transformers adapter plans once per
+            forward pass and passes it to every layer. Not used under ``torch.compile`` (the
+            custom op plans itself; the result is the same).
 
     Returns:
         ``out`` in ``q``'s layout, shape and dtype, or ``(out, lse)`` with ``return_softmax_lse``.
+        An fp16 output saturates at fp16's largest finite value (HiF8's rounding of V can
+        carry the quantised answer past it where the exact one fits); NaN and Inf stay. Meta
+        tensors give meta outputs (as the op does).
 
     Works inside ``torch.compile(fullgraph=True)`` with a named calibration rule: the whole
     computation is then the custom op ``torch.ops.qfa.hif8_attention``.
@@ -124,5 +142,5 @@ def hif8_attention(
             )
         out, lse = torch.ops.qfa.hif8_attention(**call)
     else:
-        out, lse = dropin_eager.run(_D(**call))
+        out, lse = dropin_eager.run(_D(**call), metadata=metadata)
     return (out, lse) if return_softmax_lse else out

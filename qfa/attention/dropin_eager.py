@@ -14,9 +14,12 @@ from qfa.attention import calibration as cal
 from qfa.attention import rotation
 from qfa.attention.dropin_call import DropinCall
 from qfa.attention.dropin_inputs import check_length_values
-from qfa.attention.op import quant_flash_attn
+from qfa.attention.op import Metadata, quant_flash_attn
 from qfa.attention.smoothing import lse_shift, prepare, valid_parts
+from qfa.tiling.attention import lse_shape
 from qfa.tiling.spec import MaskMode, QuantMode, default_softmax_scale
+
+_LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
 
 
 def _scales(c: DropinCall, tensors) -> list[torch.Tensor]:
@@ -26,15 +29,54 @@ def _scales(c: DropinCall, tensors) -> list[torch.Tensor]:
     out = []
     for part, t, s, name in zip(parts, tensors, (c.q_scale, c.k_scale, c.v_scale), ("q", "k", "v")):
         if s is None:
+            cal.check_finite(part, name)  # before the rule, so the message names the tensor
             out.append(cal.check_scale(rule(part), f"{name} scale from calibration rule"))
         else:
             out.append(cal.check_scale(s, f"{name}_scale", t.device))
     return out
 
 
-def run(c: DropinCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of one call; ``lse`` is an empty fp32 (0,) tensor unless requested."""
-    check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
+def empty_outputs(c: DropinCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised ``(out, lse)`` of the call's shapes and dtypes (what the fake and a meta
+    call return)."""
+    shape = lse_shape(c.q.shape, c.layout) if c.return_softmax_lse else (0,)
+    return c.q.new_empty(c.q.shape), c.q.new_empty(shape, dtype=torch.float32)
+
+
+def saturating_cast(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in ``dtype``, finite values clamped to its largest finite magnitude.
+
+    The exact output is a convex combination of V's rows, so it fits V's dtype; the quantised
+    one can exceed it by HiF8's rounding (up to 2^-4 relative where the bulk of V lies: fp16
+    V = 64000 quantises to 65536, past fp16's 65504), and IEEE rounding would make that inf.
+    Saturating gives the representable value nearest the exact answer. NaN and +-Inf (from
+    NaN/Inf inputs) stay as they are.
+    """
+    if out.dtype == dtype:
+        return out
+    limit = torch.finfo(dtype).max
+    if torch.finfo(out.dtype).max > limit:
+        out = out.float()  # bf16 cannot hold fp16's limit (65504 rounds to 65536 there)
+        out = torch.where(torch.isinf(out), out, out.clamp(-limit, limit))
+    return out.to(dtype)
+
+
+def run(c: DropinCall, metadata: Metadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one call; ``lse`` is an empty fp32 (0,) tensor unless requested.
+
+    ``metadata``: a plan of the op for the call's (quantised) tensors and length tensors, as
+    :func:`qfa.quant_flash_attn_metadata` makes it; the length values are then not read again
+    (the caller vouches that they are those it was planned with). Meta tensors give meta
+    outputs, as the op does (length tensors on the meta device are an error: their values are
+    read)."""
+    if c.q.device.type == "meta":
+        for name in _LENGTHS:
+            if getattr(c, name) is not None:
+                raise ValueError(f"{name} is on the meta device, but the drop-in reads its values: pass real "
+                                 f"tensors (or no {name}) to get meta outputs")
+        return empty_outputs(c)
+    if metadata is None:
+        check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
     tensors, mu = prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv, seqused_kv=c.seqused_kv,
                           smooth_k=c.smooth_k, rotate=c.rotate)
     scales = _scales(c, tensors)
@@ -45,9 +87,9 @@ def run(c: DropinCall) -> tuple[torch.Tensor, torch.Tensor]:
         *codes, *scales, QuantMode.HIF8_PER_TENSOR, p_scale=c.p_scale, layout=c.layout,
         cu_seqlens_q=c.cu_seqlens_q, cu_seqlens_kv=c.cu_seqlens_kv, seqused_q=c.seqused_q, seqused_kv=c.seqused_kv,
         mask_mode=MaskMode.CAUSAL if c.is_causal else MaskMode.NONE, softmax_scale=softmax_scale,
-        return_softmax_lse=c.return_softmax_lse, backend=c.backend,
+        return_softmax_lse=c.return_softmax_lse, backend=c.backend, metadata=metadata,
     )
-    out = (rotation.rotate(out) if c.rotate else out).to(c.q.dtype)  # H is its own inverse
+    out = saturating_cast(rotation.rotate(out) if c.rotate else out, c.q.dtype)  # H is its own inverse
     if not c.return_softmax_lse:
         return out, c.q.new_empty((0,), dtype=torch.float32)
     if mu is not None:

@@ -149,9 +149,11 @@ class HiF8Attention(nn.Module):
 
     # -- compute
     def forward(self, q, k, v, *, is_causal: Optional[bool] = None, cu_seqlens_q=None, cu_seqlens_kv=None,
-                seqused_q=None, seqused_kv=None, return_softmax_lse: bool = _D.return_softmax_lse, **deprecated):
+                seqused_q=None, seqused_kv=None, return_softmax_lse: bool = _D.return_softmax_lse,
+                metadata=None, **deprecated):
         """:func:`hif8_attention` with this module's settings (``is_causal`` overrides its own for
-        one call); ``return_lse=`` is a deprecated alias of ``return_softmax_lse=``."""
+        one call; ``metadata`` as there); ``return_lse=`` is a deprecated alias of
+        ``return_softmax_lse=``."""
         if deprecated:
             return_softmax_lse = take_deprecated(deprecated, {"return_softmax_lse": return_softmax_lse},
                                                  "HiF8Attention.forward", stacklevel=5)["return_softmax_lse"]
@@ -171,6 +173,7 @@ class HiF8Attention(nn.Module):
             layout=self.layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
             seqused_kv=seqused_kv, calibration=self.calibration, smooth_k=self.smooth_k, p_scale=self.p_scale,
             scales=scales, return_softmax_lse=return_softmax_lse, backend=self.backend, rotate=self.rotate,
+            metadata=metadata,
         )
 
 

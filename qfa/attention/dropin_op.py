@@ -16,7 +16,6 @@ from torch import Tensor
 
 from qfa.attention import dropin_eager
 from qfa.attention.dropin_call import OP_NAME, DropinCall, schema
-from qfa.tiling.attention import lse_shape
 
 
 def _kernel(*args) -> tuple[Tensor, Tensor]:
@@ -25,10 +24,7 @@ def _kernel(*args) -> tuple[Tensor, Tensor]:
 
 
 def _fake(*args) -> tuple[Tensor, Tensor]:
-    c = DropinCall(*args)
-    out = c.q.new_empty(c.q.shape)
-    shape = lse_shape(c.q.shape, c.layout) if c.return_softmax_lse else (0,)
-    return out, c.q.new_empty(shape, dtype=torch.float32)
+    return dropin_eager.empty_outputs(DropinCall(*args))
 
 
 hif8_attention_op = torch.library.custom_op(OP_NAME, _kernel, mutates_args=(), schema=schema())

@@ -25,9 +25,16 @@ from qfa.attention import rotation
 
 
 def _segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Sequence index (int64) of each of ``total`` packed tokens."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=total)
+    """Sequence index (int64) of each of ``total`` packed tokens: the b with cu[b] <= t < cu[b+1].
+
+    A binary search rather than ``repeat_interleave(..., output_size=total)``: that one trusts
+    the lengths to sum to ``total`` and to be >= 0, and a bad ``cu_seqlens`` (decreasing, still
+    summing to the total) corrupted the heap. This reads no value on the host and stays in
+    bounds whatever the values (the values are checked elsewhere; this must merely be safe).
+    """
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    seg = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
+    return seg.clamp_(max=max(cu_seqlens.numel() - 2, 0))
 
 
 def _valid_mask(length: int, seqused: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:

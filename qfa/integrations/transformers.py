@@ -37,6 +37,10 @@ inside :func:`register`, not when this module is imported.
 from __future__ import annotations
 
 import functools
+import inspect
+import threading
+import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -126,34 +130,108 @@ def _bottom_right_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
-def _run_padded(fn, query, key, value, valid, is_causal, scaling, options):
-    """Gather valid tokens to TND, run ``fn``, scatter back to BSND (zeros in padded rows)."""
-    b, nq, sq, d = query.shape
-    skv = key.shape[2]
-    length = valid.shape[1]
-    if length > skv:
-        raise ValueError(f"qfa attention: the mask covers {length} keys but the layer has only {skv}")
-    keys = torch.zeros(b, skv, dtype=torch.bool, device=key.device)
-    keys[:, :length] = valid.to(key.device)
-    rows = keys[:, length - sq:length]  # the queries are the last Sq columns of the mask
+@dataclass(frozen=True)
+class Packing:
+    """How one forward pass's 2D key mask packs a layer's tokens into TND, shared by its layers.
+
+    ``rows`` / ``keys``: flat indices into (B * Sq) and (B * Skv) of the valid query and key
+    tokens (batch-major, ascending positions); ``cu_seqlens_q`` / ``cu_seqlens_kv``: int32 of
+    the sequences that have a valid query; ``metadata``: the op's plan for them (None when the
+    attention function takes none, or no query is valid).
+    """
+
+    rows: torch.Tensor
+    keys: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    count: int
+    metadata: object | None
+    #: Every key of the layer is valid: the layer runs unpacked (BNSD), the other fields are unused.
+    all_valid: bool = False
+
+
+def check_mask(name: str, mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> None:
+    """A 2D key-validity mask (B, L) that fits the layer: L covers the queries (its last Sq
+    columns are the queries) and no more keys than the layer has."""
+    if mask.shape[0] != batch:
+        raise ValueError(f"{name}: attention_mask must have the query's batch size {batch} in its first "
+                         f"dimension, got shape {tuple(mask.shape)}")
+    if not q_len <= mask.shape[1] <= kv_len:
+        raise ValueError(f"{name}: a 2D attention_mask must cover between the {q_len} queries (its last "
+                         f"columns are the queries) and the layer's {kv_len} keys, got {mask.shape[1]} columns "
+                         f"(shape {tuple(mask.shape)})")
+
+
+def plan_packing(valid: torch.Tensor, batch: int, q_len: int, kv_len: int, heads_q: int, heads_kv: int,
+                 is_causal: bool, device: torch.device, with_metadata: bool) -> Packing:
+    """The :class:`Packing` of a checked mask: the one host read of a forward pass's lengths."""
+    b, length = valid.shape
+    if length == kv_len and bool(valid.all()):
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        return Packing(rows=none, keys=none, cu_seqlens_q=none, cu_seqlens_kv=none, count=b * q_len, metadata=None,
+                       all_valid=True)
+    keys = torch.zeros(b, kv_len, dtype=torch.bool, device=device)
+    keys[:, :length] = valid.to(device=device, dtype=torch.bool)
+    rows = keys[:, length - q_len:length]  # the queries are the last Sq columns of the mask
     lens_q = rows.sum(1)
-    # a sequence without a valid query produces nothing: leave its keys out too
-    keys = keys & (lens_q > 0)[:, None]
+    keys = keys & (lens_q > 0)[:, None]  # a sequence without a valid query: leave its keys out too
     lens_kv = keys.sum(1)
-    out = query.new_zeros(b, sq, nq, value.shape[-1])
-    if int(lens_q.sum()) == 0:
-        return out
     has = lens_q > 0
-    zero = torch.zeros(1, dtype=torch.int32, device=query.device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
     cu_q = torch.cat([zero, lens_q[has].cumsum(0).to(torch.int32)])
     cu_kv = torch.cat([zero, lens_kv[has].cumsum(0).to(torch.int32)])
-    q_t = query.transpose(1, 2)[rows]  # (Tq, Nq, D), batch-major, ascending positions
-    k_t = key.transpose(1, 2)[keys]
-    v_t = value.transpose(1, 2)[keys]
+    count = int(cu_q[-1])
+    metadata = None
+    if with_metadata and count:
+        from qfa.attention.op import quant_flash_attn_metadata
+
+        metadata = quant_flash_attn_metadata(heads_q, heads_kv, layout="TND", cu_seqlens_q=cu_q,
+                                             cu_seqlens_kv=cu_kv, mask_mode=3 if is_causal else 0)
+    return Packing(rows=rows.reshape(-1).nonzero().squeeze(1), keys=keys.reshape(-1).nonzero().squeeze(1),
+                   cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, count=count, metadata=metadata)
+
+
+class PackingCache:
+    """The last :class:`Packing` per thread, keyed on the mask object transformers passes to
+    every layer of one forward pass (its identity and version: an in-place change is a new
+    mask) and the layer's shapes, so the lengths are read once per forward pass, not per layer.
+    A weak reference: the cache never keeps a mask alive, and a recycled id cannot match."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, mask: torch.Tensor, key: tuple, make: Callable[[], Packing]) -> Packing:
+        entry = getattr(self._local, "entry", None)
+        full_key = (id(mask), mask._version, tuple(mask.shape), *key)
+        if entry is not None and entry[1] == full_key and entry[0]() is mask:
+            return entry[2]
+        packing = make()
+        self._local.entry = (weakref.ref(mask), full_key, packing)
+        return packing
+
+
+def _run_padded(fn, query, key, value, scaling, options, packing: Packing, is_causal: bool):
+    """Gather valid tokens to TND, run ``fn``, scatter back to BSND (zeros in padded rows)."""
+    b, nq, sq, d = query.shape
+    out = query.new_zeros(b * sq, nq, value.shape[-1])
+    if packing.count == 0:
+        return out.view(b, sq, nq, -1)
+    flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[-1])  # noqa: E731  (B*S, N, D)
+    q_t = flat(query).index_select(0, packing.rows)
+    k_t = flat(key).index_select(0, packing.keys)
+    v_t = flat(value).index_select(0, packing.keys)
+    extra = {} if packing.metadata is None else {"metadata": packing.metadata}
     o_t = fn(q_t, k_t, v_t, is_causal=is_causal, softmax_scale=scaling, layout="TND",
-             cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **options)
-    out[rows] = o_t.to(out.dtype)
-    return out
+             cu_seqlens_q=packing.cu_seqlens_q, cu_seqlens_kv=packing.cu_seqlens_kv, **extra, **options)
+    out.index_copy_(0, packing.rows, o_t.to(out.dtype))
+    return out.view(b, sq, nq, -1)
+
+
+def _takes_metadata(fn: Callable) -> bool:
+    try:
+        return "metadata" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _default_attention_fn():
@@ -176,6 +254,7 @@ def make_attention_function(
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    packings = PackingCache()
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                   is_causal=None, sliding_window=None, softcap=None, **kwargs):
@@ -196,22 +275,36 @@ def make_attention_function(
                        "a custom mask pattern (packed sequences, a bidirectional or a user-made 4D mask)")
             why = (f"{name} computes causal full attention (with padding and KV caches) only; this layer needs "
                    f"{pattern}")
+        two_d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+        if two_d:
+            check_mask(name, attention_mask, query.shape[0], query.shape[2], key.shape[2])
         if why is not None:
             if fallback == "sdpa":
                 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
                 mask = attention_mask
-                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                if two_d:
                     mask = _sdpa_mask_from_2d(mask, query.shape[2], key.shape[2], is_causal)
                 elif mask is None and is_causal and query.shape[2] != key.shape[2] and query.shape[2] > 1:
                     mask = _bottom_right_causal(query.shape[2], key.shape[2], query.device)[None, None]
                 return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                               is_causal=is_causal, **kwargs)
             raise ValueError(why + "; register with fallback='sdpa' to run such layers with sdpa instead")
-        if attention_mask is not None and (attention_mask.shape[1] != key.shape[2] or not bool(attention_mask.all())):
-            out = _run_padded(fn, query, key, value, attention_mask, bool(is_causal), scaling, options)
+        causal = bool(is_causal)
+        packing = None
+        if attention_mask is not None:
+            # Under torch.compile the drop-in is one custom op that plans itself, and the cache's
+            # identity test is not traceable: plan in the graph instead.
+            compiling = torch.compiler.is_compiling()
+            with_metadata = _takes_metadata(fn) and not compiling
+            shapes = (query.shape[0], query.shape[2], key.shape[2], query.shape[1], key.shape[1])
+            make = lambda: plan_packing(attention_mask, *shapes, causal, query.device, with_metadata)  # noqa: E731
+            packing = make() if compiling else packings.get(attention_mask, (*shapes, causal, query.device,
+                                                                             with_metadata), make)
+        if packing is not None and not packing.all_valid:
+            out = _run_padded(fn, query, key, value, scaling, options, packing, causal)
         else:
-            out = fn(query, key, value, is_causal=bool(is_causal), softmax_scale=scaling, layout="BNSD", **options)
+            out = fn(query, key, value, is_causal=causal, softmax_scale=scaling, layout="BNSD", **options)
             out = out.transpose(1, 2).contiguous()
         return out, None
 
