@@ -203,6 +203,14 @@ inline int64_t key_end(const Call& c, int64_t b, int64_t t1) {
   return c.causal ? std::min(c.kv_lens[b], t1 + offset_of(c, b)) : c.kv_lens[b];
 }
 
+
+// Columns of a block of nk keys at j0 that any row of the item sees: the tile's last row sees
+// up to key t1 - 1 + offset; scores past that are never computed (their P is 0 either way).
+inline int64_t columns(const Call& c, const Item& it, int64_t j0, int64_t nk) {
+  if (!c.causal) return nk;
+  return std::max<int64_t>(0, std::min(nk, it.t1 + offset_of(c, it.b) - j0));
+}
+
 // Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
 // Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
 int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
@@ -219,8 +227,9 @@ int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& 
     kblk = sc.k.get();
     vblk = nullptr;  // decoded by the caller when needed
   }
-  auto S = wrap(dst, R - lo, nk, BN);
-  at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nk, D, D).t());
+  const int64_t nc = columns(c, it, j0, nk);
+  auto S = wrap(dst, R - lo, nc, BN);
+  at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nc, D, D).t());
   return nk;
 }
 
@@ -286,6 +295,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
     } else {
       nk = scores(c, it, blk, lo, sc, sblk, vblk);
     }
+    const int64_t nc = columns(c, it, j0, nk);
     for (int64_t r = lo; r < R; ++r) {
       float* s = sblk + (r - lo) * BN;
       const int64_t nv = visible(c, it, r, j0, nk);
@@ -309,7 +319,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
         for (; jj < nv; ++jj) sum += s[jj];
       }
       round_row(s, nv, c.rc);
-      for (int64_t jj = nv; jj < nk; ++jj) s[jj] = 0.f;
+      for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
       alpha[r] = m[r] - m_safe;
       rsum[r] = sum;
       m[r] = m_new;
@@ -320,8 +330,22 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       decode_rows(c, c.v, c.sv, it.b, it.h, c.kv_starts[it.b], j0, j0 + nk, sc.v.get());
       vblk = sc.v.get();
     }
-    auto PV = wrap(sc.pv.get(), R - lo, D, D);
-    at::mm_out(PV, wrap(sblk, R - lo, nk, BN), wrap(const_cast<float*>(vblk), nk, D, D));
+    // A value that is not finite (Inf/NaN codes) must reach only the rows that see its key:
+    // in a GEMM, P = 0 times NaN is NaN. Such a block (rare) sums each row's visible keys alone.
+    bool finite = true;
+    for (int64_t x = 0; x < nc * D && finite; ++x) finite = std::isfinite(vblk[x]);
+    if (finite) {
+      auto PV = wrap(sc.pv.get(), R - lo, D, D);
+      at::mm_out(PV, wrap(sblk, R - lo, nc, BN), wrap(const_cast<float*>(vblk), nc, D, D));
+    } else {
+      for (int64_t r = lo; r < R; ++r) {
+        float* acc = sc.pv.get() + (r - lo) * D;
+        std::fill(acc, acc + D, 0.f);
+        const float* prow = sblk + (r - lo) * BN;
+        for (int64_t j = 0; j < visible(c, it, r, j0, nk); ++j)
+          for (int64_t x = 0; x < D; ++x) acc[x] += prow[j] * vblk[j * D + x];
+      }
+    }
     const Vec vds(c.v_descale);
     for (int64_t r = lo; r < R; ++r) {
       const Vec a(alpha[r]);

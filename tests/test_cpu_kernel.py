@@ -243,3 +243,17 @@ def test_build_is_keyed_by_cpu():
 
         assert hashlib.sha1(flags.encode() + torch.__version__.encode()).hexdigest()[:12] in name
 
+
+
+def test_nan_value_past_the_causal_edge_poisons_as_in_the_torch_path(monkeypatch):
+    """P = 0 times a NaN value is NaN: a key no row of a tile sees, inside a block the tile
+    visits, still poisons the rows that visit that block, in the torch path and here."""
+    monkeypatch.setenv("QFA_COMPILE", "0")
+    plan, args = make(4, 1, (300,), (300,), causal=True)
+    v = args[2].clone()
+    v[0, 0, 290, 5] = 0x80  # key 290: rows before position 290 cannot see it
+    args = (args[0], args[1], v, *args[3:])
+    out, lse = cpu_kernel.forward(plan, *args)
+    want_out, want_lse = torch_path.forward(plan, *args)
+    assert torch.isnan(want_out).any() and not torch.isnan(want_out).all()
+    assert torch.equal(torch.isnan(out), torch.isnan(want_out))
