@@ -1,0 +1,327 @@
+"""qfa.serving.HiF8Cache and cached_attention: a transformers Cache of HiF8 codes read in place.
+
+* Plumbing against the spec, exactly: through the cache, a prefill, decode steps and a chunk
+  give the bits of ``quant_flash_attn`` on codes built here from the documented transforms (the
+  prefill's key mean frozen, the Hadamard rotation, the frozen scales, q scaled per call).
+* Padding, exactly: a left-padded batch gives each sequence the bits it gets alone (the scales
+  are then equal, asserted: padding 100x the data would change them if it leaked in), and a
+  model's valid logits do not depend on what the padding tokens are.
+* Decode reads codes: stored codes, scales and means do not change across steps, and a step
+  encodes only its new tokens.
+* Saturation of later tokens is counted exactly; KV bytes against a bf16 DynamicCache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AttentionInterface, DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+import qfa  # noqa: E402
+import qfa.integrations.transformers as qfa_hf  # noqa: E402
+from qfa.attention import calibration as cal  # noqa: E402
+from qfa.attention import rotation  # noqa: E402
+from qfa.attention.smoothing import lse_shift  # noqa: E402
+from qfa.cast import format as fmt  # noqa: E402
+from qfa.serving import hif8_cache as hc  # noqa: E402
+from qfa.serving.attention import cached_attention, hif8_cache_of  # noqa: E402
+from qfa.serving.hif8_cache import HiF8Cache, is_hif8_cache  # noqa: E402
+
+NQ, NKV, D = 4, 2, 128
+IMPL = "qfa_hif8_cache_test"
+VOCAB = 512
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kwargs):
+    """What the 'qfa_hif8' attention function is to do first (see the report): hand a
+    HiF8Cache's placeholders to cached_attention; anything else goes to the usual adapter."""
+    found = hif8_cache_of(key)
+    if found is not None:
+        cache, layer_idx = found
+        out = cached_attention(module, query, cache, layer_idx, softmax_scale=scaling,
+                               attention_mask=attention_mask, is_causal=is_causal)
+        return out, None
+    return _FALLBACK(module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+_FALLBACK = qfa_hf.make_attention_function(IMPL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    AttentionInterface.register(IMPL, _attention)
+    AttentionMaskInterface.register(IMPL, qfa_hf.qfa_mask)
+
+
+def randn(*shape, seed: int, dtype=torch.bfloat16, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def step(cache, layer_idx, q, k, v, mask=None, **kw):
+    cache.update(k, v, layer_idx)
+    return cached_attention(None, q, cache, layer_idx, attention_mask=mask, return_softmax_lse=True, **kw)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
+
+
+# ----------------------------------------------------------------------------- the spec, exactly
+
+def spec_attention(q, k_chunks, v_chunks, *, rotate: bool, smooth_k: bool, rule="rms"):
+    """One sequence (B = 1): what the cache promises, built from the documented transforms.
+
+    k_chunks / v_chunks: the (1, Nkv, n, D) chunks given to the cache so far, the first being
+    the prefill; q: (1, Nq, Sq, D), the last Sq tokens. Returns (out BSND, lse)."""
+    tok = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731  (n, Nkv, D), as a chunk arrives
+    mu = tok(k_chunks[0]).float().mean(0) if smooth_k else None
+    ks = [tok(c).float() - mu if smooth_k else tok(c) for c in k_chunks]
+    vs = [tok(c) for c in v_chunks]
+    if rotate:
+        ks, vs = [rotation.rotate(c) for c in ks], [rotation.rotate(c) for c in vs]
+    k_scale, v_scale = cal.get_rule(rule)(ks[0]), cal.get_rule(rule)(vs[0])
+    k_codes = torch.cat([cal.quantize(c, k_scale) for c in ks]).transpose(0, 1)[None]
+    v_codes = torch.cat([cal.quantize(c, v_scale) for c in vs]).transpose(0, 1)[None]
+    q_in = rotation.rotate(q[0]) if rotate else q[0].float()
+    q_scale = cal.get_rule(rule)(q_in)
+    out, lse = qfa.quant_flash_attn(cal.quantize(q_in, q_scale)[None], k_codes, v_codes, q_scale, k_scale, v_scale,
+                                    0, layout="BNSD", mask_mode=3, return_softmax_lse=True)
+    out = rotation.rotate(out[0]) if rotate else out[0]
+    if smooth_k:
+        shift = lse_shift(q, mu[None], "BNSD", None, 1 / D ** 0.5)
+        lse = torch.where(torch.isinf(lse), lse, lse + shift)
+    return out.transpose(0, 1).to(q.dtype)[None], lse
+
+
+@pytest.mark.parametrize("rotate, smooth_k", [(True, True), (False, True), (True, False)])
+def test_prefill_decode_and_chunk_are_the_spec(rotate, smooth_k):
+    cache = HiF8Cache(rotate=rotate, smooth_k=smooth_k)
+    chunks = [40, 1, 1, 1, 5]  # prefill, three decode steps, a chunk of 5 (Sq < Skv, causal bottom-right)
+    ks, vs = [], []
+    for i, n in enumerate(chunks):
+        k = randn(1, NKV, n, D, seed=10 + i) + randn(1, NKV, 1, D, seed=99, scale=3.0)  # a K channel offset
+        v = randn(1, NKV, n, D, seed=20 + i)
+        q = randn(1, NQ, n, D, seed=30 + i)
+        ks.append(k)
+        vs.append(v)
+        out, lse = step(cache, 0, q, k, v)
+        want_out, want_lse = spec_attention(q, ks, vs, rotate=rotate, smooth_k=smooth_k)
+        assert out.shape == (1, n, NQ, D) and out.dtype == torch.bfloat16
+        assert torch.equal(bits(out), bits(want_out)), f"step {i}"
+        assert torch.equal(bits(lse), bits(want_lse)), f"step {i}"
+    layer = cache.layer(0)
+    assert layer.lengths.tolist() == [sum(chunks)] and cache.get_seq_length() == sum(chunks)
+    assert (layer.k_mean is not None) == smooth_k
+
+
+def _left_padded(lengths, garbage: float = 100.0):
+    """Per sequence (q, k, v) of its own length, and the left-padded batch holding exactly those
+    values at its valid positions and garbage 100x larger in the padding."""
+    n = max(lengths)
+    seqs = [tuple(randn(1, h, s, D, seed=7 * i + j) for j, h in enumerate((NQ, NKV, NKV))) for i, s in enumerate(lengths)]
+    batch = [randn(len(lengths), h, n, D, seed=50 + j, scale=garbage) for j, h in enumerate((NQ, NKV, NKV))]
+    mask = torch.zeros(len(lengths), n, dtype=torch.bool)
+    for i, s in enumerate(lengths):
+        mask[i, n - s:] = True
+        for j in range(3):
+            batch[j][i, :, n - s:] = seqs[i][j][0]
+    return seqs, batch, mask
+
+
+def test_left_padded_batch_gives_each_sequence_its_own_bits():
+    lengths = [29, 11, 20]
+    seqs, (q, k, v), mask = _left_padded(lengths)
+    batched = HiF8Cache()
+    outs = [step(batched, 0, q, k, v, mask)]
+    for t in range(2):  # decode steps: one new real token per sequence
+        mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.bool)], 1)
+        new = [randn(len(lengths), h, 1, D, seed=70 + 3 * t + j) for j, h in enumerate((NQ, NKV, NKV))]
+        outs.append(step(batched, 0, *new, mask))
+        seqs = [tuple(torch.cat([s[j], new[j][i:i + 1]], 2) for j in range(3)) for i, s in enumerate(seqs)]
+    n = max(lengths)
+    for i, s in enumerate(lengths):
+        alone = HiF8Cache()
+        q_i, k_i, v_i = seqs[i]
+        got = [step(alone, 0, q_i[:, :, :s], k_i[:, :, :s], v_i[:, :, :s])]
+        got += [step(alone, 0, q_i[:, :, s + t:s + t + 1], k_i[:, :, s + t:s + t + 1], v_i[:, :, s + t:s + t + 1])
+                for t in range(2)]
+        for name in ("k_scale", "v_scale"):  # padding 100x the data would have moved them
+            assert torch.equal(getattr(batched.layer(0), name), getattr(alone.layer(0), name))
+        assert torch.equal(batched.layer(0).k_mean[i], alone.layer(0).k_mean[0])
+        assert torch.equal(batched.layer(0).keys[i, :, :s + 2], alone.layer(0).keys[0])
+        (out0, lse0), (want0, wlse0) = outs[0], got[0]
+        assert not out0[i, :n - s].any() and torch.isinf(lse0[i, :, :n - s]).all()  # padded rows
+        assert torch.equal(bits(out0[i, n - s:]), bits(want0[0]))
+        assert torch.equal(bits(lse0[i, :, n - s:]), bits(wlse0[0]))
+        for (o, l), (wo, wl) in zip(outs[1:], got[1:]):
+            assert torch.equal(bits(o[i]), bits(wo[0])) and torch.equal(bits(l[i]), bits(wl[0]))
+    assert batched.layer(0).lengths.tolist() == [s + 2 for s in lengths]
+
+
+def test_static_scales_are_used_and_q_scale_is_static():
+    scales = {0: (0.25, 2.0, 0.5)}
+    cache = HiF8Cache(scales=scales, rotate=False, smooth_k=False)
+    q, k, v = randn(1, NQ, 8, D, seed=1), randn(1, NKV, 8, D, seed=2), randn(1, NKV, 8, D, seed=3)
+    out, lse = step(cache, 0, q, k, v)
+    layer = cache.layer(0)
+    assert [float(s) for s in (layer.q_scale, layer.k_scale, layer.v_scale)] == [0.25, 2.0, 0.5]
+    codes = [cal.quantize(t, s) for t, s in zip((q, k, v), (0.25, 2.0, 0.5))]
+    want, wlse = qfa.quant_flash_attn(*codes, *[torch.tensor([s]) for s in (0.25, 2.0, 0.5)], 0, layout="BNSD",
+                                      mask_mode=3, return_softmax_lse=True)
+    assert torch.equal(bits(out), bits(want.transpose(1, 2))) and torch.equal(bits(lse), bits(wlse))
+    assert torch.equal(layer.keys, codes[1])
+
+
+def test_later_tokens_saturate_and_are_counted():
+    cache = HiF8Cache(rotate=False)  # no rotation: a spike stays in its own element
+    step(cache, 0, randn(1, NQ, 16, D, seed=1), randn(1, NKV, 16, D, seed=2), randn(1, NKV, 16, D, seed=3))
+    layer = cache.layer(0)
+    k_scale, v_scale = float(layer.k_scale), float(layer.v_scale)
+    assert cache.saturated == [0]
+    k, v = randn(1, NKV, 1, D, seed=4, dtype=torch.float32), randn(1, NKV, 1, D, seed=5, dtype=torch.float32)
+    k[0, 0, 0, :3] = 2 * fmt.OVERFLOW_THRESHOLD * k_scale
+    k[0, 1, 0, 9] = -1e6 * k_scale
+    v[0, 1, 0, 0] = 0.9 * fmt.OVERFLOW_THRESHOLD * v_scale  # below the threshold: rounds to MAX, not counted
+    step(cache, 0, randn(1, NQ, 1, D, seed=6, dtype=torch.float32), k, v)
+    assert (layer.saturated_k, layer.saturated_v, cache.saturated) == (4, 0, [4])
+    assert float(layer.k_scale) == k_scale and float(layer.v_scale) == v_scale  # frozen
+    assert (layer.keys[0, 0, 16, :3] == fmt.MAX_CODE).all() and int(layer.keys[0, 1, 16, 9]) == fmt.MAX_CODE | 0x80
+
+
+def test_errors_and_placeholders():
+    cache = HiF8Cache()
+    with pytest.raises(ValueError, match=r"HiF8Cache needs key_states of shape \(B, Nkv, S, 128\)"):
+        cache.update(torch.zeros(1, NKV, 3, 64), torch.zeros(1, NKV, 3, 64), 0)
+    k, v = cache.update(randn(2, NKV, 3, D, seed=1), randn(2, NKV, 3, D, seed=2), 0)
+    assert is_hif8_cache(cache) and is_hif8_cache(k) and not is_hif8_cache(torch.zeros(1))
+    assert k.shape == (2, NKV, 3, D) and k.dtype == torch.bfloat16 and hif8_cache_of(k) == (cache, 0)
+    assert hif8_cache_of(torch.zeros(1)) is None
+    with pytest.raises(RuntimeError, match="only qfa's cached attention reads"):
+        torch.nn.functional.scaled_dot_product_attention(randn(2, NKV, 3, D, seed=3), k, v)
+    q = randn(2, NQ, 3, D, seed=3)
+    with pytest.raises(ValueError, match=r"attention_mask must be None or a 2D key mask \(B, keys\) = \(2, 3\)"):
+        cached_attention(None, q, cache, 0, attention_mask=torch.ones(2, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="query must have the cache's batch 2"):
+        cached_attention(None, q[:1], cache, 0)
+    with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 1\)"):
+        cached_attention(None, q, cache, 1)
+    with pytest.raises(TypeError, match="cache must be a qfa.serving.HiF8Cache, got DynamicCache"):
+        cached_attention(None, q, DynamicCache(), 0)
+    with pytest.raises(ValueError, match="unknown|must be one of"):
+        HiF8Cache(calibration="nope")
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-1)
+
+
+# ----------------------------------------------------------------------------- a model
+
+def tiny_model(seed: int = 0, **extra):
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=NQ,
+              num_key_value_heads=NKV, head_dim=D, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+    kw.update(extra)
+    model = Qwen2ForCausalLM(Qwen2Config(**kw)).to(torch.bfloat16).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_constructors():
+    model = tiny_model()
+    assert len(HiF8Cache()) == 0
+    assert len(HiF8Cache(config=model.config)) == 2
+    sliding = Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+                          use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        HiF8Cache(config=sliding)
+
+
+def test_generate_greedy_bytes_and_decode_reads_codes(monkeypatch):
+    model = tiny_model()
+    model.set_attn_implementation(IMPL)
+    prompt, new = ids(1, 40, seed=3), 24
+    encoded = []
+    real_encode = hc.encode
+    monkeypatch.setattr(hc, "encode", lambda x, s: (encoded.append(tuple(x.shape)), real_encode(x, s))[1])
+    cache = HiF8Cache(config=model.config)
+    snapshots = []
+
+    class Watch(transformers.LogitsProcessor):  # runs once per generated token, after the forward
+        def __call__(self, input_ids, scores):
+            snapshots.append([(l.keys.clone(), l.values.clone(), l.k_scale.clone(), l.k_mean.clone())
+                              for l in cache.layers])
+            return scores
+
+    with torch.no_grad():
+        out = model.generate(prompt, cache=cache, max_new_tokens=new, do_sample=False,
+                             logits_processor=transformers.LogitsProcessorList([Watch()]))
+    assert out.shape == (1, 40 + new)
+    # a step encodes only its new token per layer (K then V); the prefill its 40
+    assert encoded[:4] == [(40, NKV, D)] * 4 and encoded[4:] == [(1, NKV, D)] * (4 * (new - 1))
+    for before, after in zip(snapshots, snapshots[1:]):  # stored codes, scales, means never change
+        for (k0, v0, s0, m0), (k1, v1, s1, m1) in zip(before, after):
+            n = k0.shape[2]
+            assert k1.shape[2] == n + 1
+            assert torch.equal(k1[:, :, :n], k0) and torch.equal(v1[:, :, :n], v0)
+            assert torch.equal(s1, s0) and torch.equal(m1, m0)
+    model.set_attn_implementation("sdpa")
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref = model.generate(prompt, cache=dynamic, max_new_tokens=new, do_sample=False)
+    assert ref.shape == out.shape and int(ref[0, 40]) == int(out[0, 40])
+    bf16_bytes = sum(l.keys.nbytes + l.values.nbytes for l in dynamic.layers)
+    code_bytes = sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)
+    assert dynamic.layers[0].keys.dtype == torch.bfloat16 and code_bytes * 2 == bf16_bytes  # 1 byte vs 2
+    ratio = cache.nbytes() / bf16_bytes
+    assert ratio <= 0.52, ratio
+
+
+def test_generate_with_sampling_runs():
+    model = tiny_model()
+    model.set_attn_implementation(IMPL)
+    cache = HiF8Cache()
+    with torch.no_grad():
+        out = model.generate(ids(2, 12, seed=4), past_key_values=cache, max_new_tokens=5, do_sample=True, top_k=20)
+    assert out.shape == (2, 17) and cache.get_seq_length() == 16
+
+
+def _left_pad(seqs, pad_ids):
+    n = max(len(s) for s in seqs)
+    input_ids = torch.stack([torch.cat([pad_ids[i, :n - len(s)], s]) for i, s in enumerate(seqs)])
+    mask = torch.stack([torch.cat([torch.zeros(n - len(s), dtype=torch.long), torch.ones(len(s), dtype=torch.long)])
+                        for s in seqs])
+    return input_ids, mask
+
+
+def test_model_padding_never_enters_scales_means_or_attention():
+    """Left-padded batches that differ only in the padding tokens: same valid logits (bits),
+    same scales, means and stored codes; greedy generation continues identically."""
+    model = tiny_model()
+    model.set_attn_implementation(IMPL)
+    seqs = [ids(1, 29, seed=3)[0], ids(1, 11, seed=4)[0], ids(1, 20, seed=5)[0]]
+    results = []
+    for pad_seed in (6, 7):
+        input_ids, mask = _left_pad(seqs, ids(3, 29, seed=pad_seed))
+        cache = HiF8Cache()
+        with torch.no_grad():
+            logits = model(input_ids, attention_mask=mask, cache=cache, use_cache=True).logits
+            gen = model.generate(input_ids, attention_mask=mask, cache=HiF8Cache(), max_new_tokens=6,
+                                 do_sample=False)
+        results.append((logits, mask, cache, gen))
+    (l0, m0, c0, g0), (l1, _, c1, g1) = results
+    valid = m0.bool()
+    assert not torch.equal(l0[~valid], l1[~valid])  # the padding did change (its own rows)
+    assert torch.equal(bits(l0[valid]), bits(l1[valid]))
+    for a, b in zip(c0.layers, c1.layers):
+        for name in ("k_scale", "v_scale", "k_mean", "keys", "values", "lengths"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert c0.layers[0].lengths.tolist() == [29, 11, 20]
+    assert torch.equal(g0[:, 29:], g1[:, 29:])
