@@ -166,12 +166,15 @@ def test_static_scales_are_used_and_q_scale_is_static():
     scales = {0: (0.25, 2.0, 0.5)}
     cache = HiF8Cache(scales=scales, rotate=False, smooth_k=False)
     q, k, v = randn(1, NQ, 8, D, seed=1), randn(1, NKV, 8, D, seed=2), randn(1, NKV, 8, D, seed=3)
-    out, lse = step(cache, 0, q, k, v)
+    out, lse = step(cache, 0, q, k, v, p_scale=16.0)
     layer = cache.layer(0)
     assert [float(s) for s in (layer.q_scale, layer.k_scale, layer.v_scale)] == [0.25, 2.0, 0.5]
     codes = [cal.quantize(t, s) for t, s in zip((q, k, v), (0.25, 2.0, 0.5))]
     want, wlse = qfa.quant_flash_attn(*codes, *[torch.tensor([s]) for s in (0.25, 2.0, 0.5)], 0, layout="BNSD",
-                                      mask_mode=3, return_softmax_lse=True)
+                                      mask_mode=3, p_scale=torch.tensor([16.0]), return_softmax_lse=True)
+    other, _ = qfa.quant_flash_attn(*codes, *[torch.tensor([s]) for s in (0.25, 2.0, 0.5)], 0, layout="BNSD",
+                                    mask_mode=3)
+    assert not torch.equal(want, other)  # p_scale moves P on the grid: it did arrive
     assert torch.equal(bits(out), bits(want.transpose(1, 2))) and torch.equal(bits(lse), bits(wlse))
     assert torch.equal(layer.keys, codes[1])
 

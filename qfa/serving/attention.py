@@ -26,6 +26,7 @@ import torch
 
 from qfa.attention import calibration as cal
 from qfa.attention import rotation
+from qfa.attention.dropin_inputs import p_scale_tensor
 from qfa.attention.op import quant_flash_attn
 from qfa.attention.smoothing import lse_shift
 from qfa.serving.hif8_cache import CacheHandle, HiF8Cache, HiF8Layer
@@ -66,8 +67,8 @@ def _check_query(query, layer: HiF8Layer) -> None:
 
 def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: int, *,
                      softmax_scale: float | None = None, attention_mask: torch.Tensor | None = None,
-                     is_causal: bool | None = None, return_softmax_lse: bool = False, backend: str | None = None,
-                     **unused) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     is_causal: bool | None = None, p_scale=None, return_softmax_lse: bool = False,
+                     backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` on layer ``layer_idx`` of ``cache``, after encoding its queued tokens.
 
     Args:
@@ -80,6 +81,7 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
         softmax_scale: None means 1/sqrt(128) (the model's ``scaling``).
         is_causal: bottom-right aligned causal attention; None takes ``module.is_causal``
             (True if it has none).
+        p_scale: the op's ``p_scale`` (float, fp32 (1,) tensor or None: 1.0).
         return_softmax_lse: also return the natural-log LSE of the (unsmoothed) scores, fp32
             (B, Nq, Sq); padded rows and rows without keys get +inf.
         backend: the op's backend (None: by device).
@@ -122,8 +124,8 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
         q_codes[i, :, :counts[i]] = cal.quantize(t, q_scale)
     o, l = quant_flash_attn(
         q_codes, layer.keys, layer.values, q_scale, layer.k_scale, layer.v_scale, QuantMode.HIF8_PER_TENSOR,
-        layout="BNSD", seqused_q=torch.tensor(counts, dtype=torch.int32, device=query.device),
-        seqused_kv=layer.lengths.to(torch.int32), mask_mode=MaskMode.CAUSAL if is_causal else MaskMode.NONE,
+        p_scale=p_scale_tensor(p_scale, query.device), layout="BNSD",
+        seqused_q=torch.tensor(counts, dtype=torch.int32, device=query.device), seqused_kv=layer.lengths.to(torch.int32), mask_mode=MaskMode.CAUSAL if is_causal else MaskMode.NONE,
         softmax_scale=scale, return_softmax_lse=return_softmax_lse, backend=backend,
     )
     for i, r in enumerate(rows):
