@@ -122,7 +122,8 @@ def _left_padded(lengths, garbage: float = 100.0):
     """Per sequence (q, k, v) of its own length, and the left-padded batch holding exactly those
     values at its valid positions and garbage 100x larger in the padding."""
     n = max(lengths)
-    seqs = [tuple(randn(1, h, s, D, seed=7 * i + j) for j, h in enumerate((NQ, NKV, NKV))) for i, s in enumerate(lengths)]
+    seqs = [tuple(randn(1, h, s, D, seed=7 * i + j) for j, h in enumerate((NQ, NKV, NKV)))
+            for i, s in enumerate(lengths)]
     batch = [randn(len(lengths), h, n, D, seed=50 + j, scale=garbage) for j, h in enumerate((NQ, NKV, NKV))]
     mask = torch.zeros(len(lengths), n, dtype=torch.bool)
     for i, s in enumerate(lengths):

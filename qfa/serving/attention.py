@@ -125,7 +125,8 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
     o, l = quant_flash_attn(
         q_codes, layer.keys, layer.values, q_scale, layer.k_scale, layer.v_scale, QuantMode.HIF8_PER_TENSOR,
         p_scale=p_scale_tensor(p_scale, query.device), layout="BNSD",
-        seqused_q=torch.tensor(counts, dtype=torch.int32, device=query.device), seqused_kv=layer.lengths.to(torch.int32), mask_mode=MaskMode.CAUSAL if is_causal else MaskMode.NONE,
+        seqused_q=torch.tensor(counts, dtype=torch.int32, device=query.device),
+        seqused_kv=layer.lengths.to(torch.int32), mask_mode=MaskMode.CAUSAL if is_causal else MaskMode.NONE,
         softmax_scale=scale, return_softmax_lse=return_softmax_lse, backend=backend,
     )
     for i, r in enumerate(rows):

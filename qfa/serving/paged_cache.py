@@ -251,7 +251,8 @@ class PagedHiF8Cache:
         k_scale, v_scale = self.scales(layer)
         return quant_flash_attn(
             q_codes, self.k_codes[layer], self.v_codes[layer], q_descale, k_scale, v_scale,
-            QuantMode.HIF8_PER_TENSOR, block_table=self.block_table(seq_ids), seqused_kv=self.seqused_kv(layer, seq_ids),
+            QuantMode.HIF8_PER_TENSOR, block_table=self.block_table(seq_ids),
+            seqused_kv=self.seqused_kv(layer, seq_ids),
             cu_seqlens_q=cu_seqlens_q, layout_q=layout_q, layout_kv="PA_BBND", layout_out=layout_q,
             mask_mode=MaskMode.CAUSAL if causal else MaskMode.NONE, softmax_scale=softmax_scale,
             return_softmax_lse=return_softmax_lse, backend=backend,
