@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include <omp.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -390,6 +392,11 @@ void finish(const Call& c, const Item& it, const float* m, const float* l, const
   }
 }
 
+// torch enables nested OpenMP (max-active-levels), so a GEMM called inside the region would
+// open a team of its own on every call: on 2 cores, 4 spinning threads, and under load each
+// call waits for its slowest one. A worker's GEMMs run on the worker's thread alone.
+inline void single_threaded_blas() { omp_set_num_threads(1); }
+
 // Hands items out costliest first to whichever thread asks next; one parallel region.
 template <typename F>
 void run_items(int64_t n, const F& fn) {
@@ -397,6 +404,7 @@ void run_items(int64_t n, const F& fn) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    single_threaded_blas();
     Scratch sc;
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, sc);
   });
@@ -479,6 +487,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     const int64_t nblk = static_cast<int64_t>(blocks.size()) / 3;
     if (nblk) {
       at::parallel_for(0, nblk, 1, [&](int64_t s, int64_t e) {
+        single_threaded_blas();
         for (int64_t i = s; i < e; ++i) {
           const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
           const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);

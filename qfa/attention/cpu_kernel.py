@@ -100,7 +100,9 @@ def _build() -> ModuleType:
     if not SOURCE.is_file():
         raise FileNotFoundError(f"{SOURCE} (the native kernel's source ships with the repository checkout)")
     flags = _COMMON_FLAGS + _VECTOR_FLAGS.get(cpu_capability(), [])
-    return load(name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+    # libgomp: the workers pin their nested OpenMP team size to 1 (torch's own runtime is OpenMP).
+    return load(name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-lgomp"],
+                verbose=False)
 
 
 def enabled() -> bool:
