@@ -7,8 +7,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from qfa import _compile  # noqa: E402
+
+# Property tests (tests/test_adversarial.py): a fixed, small example budget in CI; a longer
+# search with QFA_HYPOTHESIS_PROFILE=long.
+settings.register_profile("ci", max_examples=12, derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=300, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("QFA_HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture
