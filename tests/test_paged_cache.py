@@ -3,8 +3,6 @@ through the block table equal (bit for bit) to the op on the same codes laid out
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -179,23 +177,6 @@ def test_append_and_lookup_errors():
 
 # ----------------------------------------------------------------------------- attention
 
-@functools.lru_cache(maxsize=1)
-def paged_op_missing() -> str | None:
-    """Why the op cannot run paged KV (None when it can)."""
-    codes = torch.zeros(1, 16, 1, D, dtype=torch.uint8)
-    one = torch.ones(1)
-    try:
-        qfa.quant_flash_attn(torch.zeros(1, 1, 1, D, dtype=torch.uint8), codes, codes, one, one, one, 0,
-                             block_table=torch.zeros(1, 1, dtype=torch.int32),
-                             seqused_kv=torch.ones(1, dtype=torch.int32), layout_q="BNSD", layout_kv="PA_BBND",
-                             layout_out="BNSD")
-    except (ValueError, TypeError) as exc:
-        return f"quant_flash_attn has no paged KV yet (issue 11 section 1): {exc}"
-    return None
-
-
-needs_paged_op = pytest.mark.skipif(paged_op_missing() is not None, reason=str(paged_op_missing()))
-
 Q_DESCALE = torch.tensor([0.125])
 
 
@@ -213,7 +194,6 @@ def assert_same_bits(got, want):
                            w.view(torch.int16) if w.dtype == torch.bfloat16 else w.view(torch.int32))
 
 
-@needs_paged_op
 @pytest.mark.parametrize("block_size", [16, 48])
 def test_decode_equals_the_contiguous_call(block_size):
     """Sq = 1 per sequence, unequal lengths including an empty sequence, BNSD queries."""
@@ -230,7 +210,6 @@ def test_decode_equals_the_contiguous_call(block_size):
     assert torch.isinf(got[1][2]).all() and not got[0][2].any()  # the empty sequence sees no key
 
 
-@needs_paged_op
 def test_chunked_prefill_equals_the_contiguous_call():
     """TND query chunks (Sq > 1, unequal, one empty) against longer caches, causal bottom-right."""
     lengths = {"a": 260, "b": 33, "c": 5, "d": 0}
@@ -246,7 +225,6 @@ def test_chunked_prefill_equals_the_contiguous_call():
     assert_same_bits(got, want)
 
 
-@needs_paged_op
 def test_attention_after_free_and_reuse_equals_the_contiguous_call():
     cache, _ = filled({"a": 64, "b": 40}, num_blocks=8)
     cache.free("a")
@@ -259,3 +237,30 @@ def test_attention_after_free_and_reuse_equals_the_contiguous_call():
     want = qfa.quant_flash_attn(cal.quantize(q, qs), k, v, qs, *cache.scales(0), 0, layout="BNSD", seqused_kv=used,
                                 mask_mode=3)
     assert_same_bits(got[:1], want[:1])
+
+
+@pytest.mark.parametrize("layout_q", ["BNSD", "TND"])
+def test_triton_backend_through_the_cache_equals_its_contiguous_call(layout_q):
+    """The same through the Triton kernel (under the interpreter on CPU: small sizes)."""
+    pytest.importorskip("triton")
+    lengths = {"a": 37, "b": 0, "c": 20}
+    cache, _ = filled(lengths, block_size=16, num_blocks=16, chunk=9)
+    ids = list(lengths)
+    if layout_q == "BNSD":  # decode
+        q = torch.randn(3, NQ, 1, D, generator=torch.Generator().manual_seed(11))
+        got = cache.attend(0, q, ids, q_descale=Q_DESCALE, layout_q="BNSD", return_softmax_lse=True,
+                           backend="triton")
+        k, v, used = cache.gather(0, ids)
+        want = qfa.quant_flash_attn(cal.quantize(q, Q_DESCALE), k, v, Q_DESCALE, *cache.scales(0), 0,
+                                    layout="BNSD", seqused_kv=used, mask_mode=3, return_softmax_lse=True,
+                                    backend="triton")
+    else:  # chunks of 5, 0 and 20 queries (the last a whole prefill)
+        cu_q = torch.tensor([0, 5, 5, 25], dtype=torch.int32)
+        q = torch.randn(25, NQ, D, generator=torch.Generator().manual_seed(12))
+        got = cache.attend(0, q, ids, q_descale=Q_DESCALE, cu_seqlens_q=cu_q, layout_q="TND",
+                           return_softmax_lse=True, backend="triton")
+        k, v, cu_kv = contiguous_tnd(cache, 0, ids)
+        want = qfa.quant_flash_attn(cal.quantize(q, Q_DESCALE), k, v, Q_DESCALE, *cache.scales(0), 0, layout="TND",
+                                    cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, mask_mode=3, return_softmax_lse=True,
+                                    backend="triton")
+    assert_same_bits(got, want)
