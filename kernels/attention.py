@@ -91,20 +91,25 @@ def _bf16_bits_round_half_away(x):
 
 
 @triton.jit
-def _specials_over_visible(pv, p8, v, visible):
-    """``P8 @ V`` of a block whose V holds NaN/Inf, summed over each row's visible keys only:
-    ``pv`` is the GEMM on V with its specials zeroed; the specials follow IEEE sums (any NaN
-    term, 0 * Inf, or +Inf with -Inf: NaN; otherwise an Inf term: that Inf). Counting dots of
-    0/1 fp16 matrices are exact. Same rule as the torch path's ``_pv_with_specials``."""
-    pos_inf = (v == float("inf")).to(tl.float16)
-    neg_inf = (v == float("-inf")).to(tl.float16)
-    positive = (visible & (p8 > 0)).to(tl.float16)
-    plus = tl.dot(positive, pos_inf) > 0
-    minus = tl.dot(positive, neg_inf) > 0
-    nan = tl.dot(visible.to(tl.float16), (v != v).to(tl.float16)) > 0
-    nan = nan | (tl.dot((visible & (p8 == 0)).to(tl.float16), pos_inf + neg_inf) > 0) | (plus & minus)
-    pv = tl.where(plus, float("inf"), tl.where(minus, float("-inf"), pv))
-    return tl.where(nan, float("nan"), pv)
+def _specials_over_visible(pv, p8, v, visible, BLOCK_N: tl.constexpr):
+    """``P8 @ V`` of a block whose V holds NaN/Inf, summed over each row's visible keys only.
+
+    ``pv`` is the GEMM on V with its specials zeroed; each key's special entries are added here,
+    one key at a time, as IEEE products and sums over the rows that see the key (any NaN term,
+    0 * Inf, or +Inf with -Inf gives NaN; otherwise an Inf term gives that Inf), the rule of the
+    torch path's ``_pv_with_specials``. A scalar loop rather than more dots: this path is rare,
+    and extra dots would double the kernel's shared memory."""
+    keys = tl.arange(0, BLOCK_N)
+    extra = tl.zeros(pv.shape, dtype=tl.float32)
+    p32 = p8.to(tl.float32)
+    for j in range(0, BLOCK_N):
+        pick = keys == j
+        p_j = tl.sum(tl.where(pick[None, :], p32, 0.0), 1)  # column j of P8: (rows,)
+        seen_j = tl.sum(tl.where(pick[None, :] & visible, 1, 0), 1) > 0
+        v_j = tl.sum(tl.where(pick[:, None], v.to(tl.float32), 0.0), 0)  # row j of V: (D,)
+        bad_j = (v_j != v_j) | (tl.abs(v_j) == float("inf"))
+        extra += tl.where(seen_j[:, None] & bad_j[None, :], p_j[:, None] * v_j[None, :], 0.0)
+    return pv + extra
 
 
 @triton.jit
@@ -168,7 +173,7 @@ def _attention_rows(
         special = (v != v) | (tl.abs(v) == float("inf"))
         pv = tl.dot(p8, tl.where(special, 0.0, v).to(tl.float16))
         if tl.sum(tl.sum(special.to(tl.int32), 1), 0) > 0:
-            pv = _specials_over_visible(pv, p8, v, cols_f[None, :] <= last[:, None])
+            pv = _specials_over_visible(pv, p8, v, cols_f[None, :] <= last[:, None], BLOCK_N)
         acc = acc * alpha[:, None] + pv * v_descale
         m_i = m_new
 

@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+#: The attention kernel's shared memory at SUB_M = 64, measured when this test was written.
+ATTENTION_SHARED_BYTES = 80 * 1024
 #: Most shared memory one block may use on H100/H200 (sm_90): 227 KiB (opt-in maximum).
 SM90_MAX_SHARED_BYTES = 227 * 1024
 
@@ -80,8 +82,8 @@ _ATTENTION_SCRIPT = textwrap.dedent(
     # HiF8 codes in, bf16 output stored as int16 bits, fp32 LSE; the fp16 decode LUT as int16
     # bits; (dScale, ln p_scale, v_descale) as fp32; the per-batch table as int32.
     POINTERS = {"q_ptr": "*u8", "k_ptr": "*u8", "v_ptr": "*u8", "out_ptr": "*i16", "lse_ptr": "*fp32",
-                "lut_ptr": "*i16", "scalars_ptr": "*fp32", "seq_ptr": "*i32"}
-    INTEGERS = {"batch", "heads_q", "group", "n_tiles"}
+                "lut_ptr": "*i16", "scalars_ptr": "*fp32", "seq_ptr": "*i32", "table_ptr": "*i32"}
+    INTEGERS = {"batch", "heads_q", "group", "n_tiles", "page", "stt"}
     STRIDE = re.compile(r"s[qkvol][bhsd]")  # sqb, skh, sos, ... (batch, head, sequence, dim)
 
     def signature(kernel, constexprs):
@@ -102,14 +104,14 @@ _ATTENTION_SCRIPT = textwrap.dedent(
     launch = A.LAUNCH["cuda"]
     options = {k: v for k, v in (("num_warps", launch.num_warps), ("num_stages", launch.num_stages)) if v is not None}
     results = []
-    for causal, lse in ((True, True), (False, False)):
+    for causal, lse, paged in ((True, True, False), (False, False, False), (True, False, True)):
         consts = {"BLOCK_M": BLOCK_M, "SUB_M": min(launch.sub_m, BLOCK_M), "BLOCK_N": BLOCK_N,
-                  "HEAD_DIM": HEAD_DIM, "CAUSAL": causal, "RETURN_LSE": lse}
+                  "HEAD_DIM": HEAD_DIM, "CAUSAL": causal, "RETURN_LSE": lse, "PAGED": paged}
         sig, consts = signature(A._attention_kernel, consts)
         k = triton.compile(ASTSource(fn=A._attention_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=options)
         ptx = k.asm["ptx"]
-        results.append({"causal": causal, "lse": lse, "sub_m": consts["SUB_M"], "options": options,
+        results.append({"causal": causal, "lse": lse, "paged": paged, "sub_m": consts["SUB_M"], "options": options,
                         "wgmma": ptx.count("wgmma.mma_async"), "shared": k.metadata.shared,
                         "num_warps": k.metadata.num_warps, "num_stages": k.metadata.num_stages})
     print(json.dumps(results))
@@ -141,10 +143,13 @@ def test_attention_kernel_compiles_for_sm90_with_wgmma(tmp_path):
 
     results = json.loads(_compile(tmp_path, _ATTENTION_SCRIPT).strip().splitlines()[-1])
     launch = LAUNCH["cuda"]
-    assert len(results) == 2
+    assert len(results) == 3  # causal + LSE, plain, paged
     for r in results:
         # The launch options reached the compiler (num_stages is what sizes the shared buffers).
         assert r["num_warps"] == (launch.num_warps or r["num_warps"])
         assert r["num_stages"] == (launch.num_stages or r["num_stages"])
         assert r["wgmma"] > 0, f"no wgmma in the PTX: {r}"
         assert 0 < r["shared"] <= SM90_MAX_SHARED_BYTES, f"shared memory over the sm_90 limit: {r}"
+        # 80 KiB at SUB_M = 64 (two blocks per SM); the rare NaN/Inf-in-V path must not add dots.
+        assert r["shared"] <= ATTENTION_SHARED_BYTES, f"shared memory grew past 80 KiB: {r}"
+    print(json.dumps(results))  # the figures, for ``pytest -s``
