@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from qfa.attention import calibration as cal
 from qfa.attention import rotation
+from qfa.attention.dropin_call import DropinCall as _D  # the drop-in's defaults, one source
 from qfa.serving.encoding import encode
 from qfa.tiling.checks import check_bool, check_float_tensor
 from qfa.tiling.spec import HEAD_DIM
@@ -97,8 +98,8 @@ class HiF8Layer(DynamicLayer):
     is_croppable = False
     is_compileable = False
 
-    def __init__(self, *, calibration: cal.RuleLike | None = None, smooth_k: bool = True, rotate: bool = True,
-                 scales: ScaleTriple | None = None, **kwargs) -> None:
+    def __init__(self, *, calibration: cal.RuleLike | None = None, smooth_k: bool = _D.smooth_k,
+                 rotate: bool = _D.rotate, scales: ScaleTriple | None = None, **kwargs) -> None:
         super().__init__()
         self.rule = cal.get_rule(calibration)
         self.smooth_k, self.rotate = check_bool(smooth_k, "smooth_k"), check_bool(rotate, "rotate")
@@ -279,15 +280,19 @@ class HiF8Cache(Cache):
             (:mod:`qfa.attention.calibration`; None: the default rule), and that scales each
             call's query when no static q scale is given.
         smooth_k: subtract each sequence's prefill key mean (per head, per channel; frozen).
+            On by default, as in :func:`qfa.hif8_attention`.
         rotate: Hadamard-rotate K and V before encoding, and queries and outputs in attention.
+            On by default, as in :func:`qfa.hif8_attention`. Saturation is counted on what is
+            encoded: the smoothed, rotated values divided by the scale.
         scales: static scales, one ``(q_scale, k_scale, v_scale)`` triple per layer (a sequence
             or a mapping from layer index; entries may be None, meaning "from the rule"), e.g.
             ``(m.q_scale, m.k_scale, m.v_scale)`` of a calibrated :class:`qfa.HiF8Attention` run
             with the same ``smooth_k`` / ``rotate``.
     """
 
-    def __init__(self, config=None, *, calibration: cal.RuleLike | None = None, smooth_k: bool = True,
-                 rotate: bool = True, scales: Sequence[ScaleTriple] | Mapping[int, ScaleTriple] | None = None) -> None:
+    def __init__(self, config=None, *, calibration: cal.RuleLike | None = None, smooth_k: bool = _D.smooth_k,
+                 rotate: bool = _D.rotate,
+                 scales: Sequence[ScaleTriple] | Mapping[int, ScaleTriple] | None = None) -> None:
         self.calibration = calibration
         cal.get_rule(calibration)  # an unknown rule fails here, not at the first token
         self.smooth_k, self.rotate = check_bool(smooth_k, "smooth_k"), check_bool(rotate, "rotate")
