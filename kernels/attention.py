@@ -47,7 +47,6 @@ import triton.language as tl
 from qfa.cast import luts
 from qfa.kernels.hif8 import hif8_decode, hif8_round_sat
 from qfa.tiling.attention import AttentionPlan
-from qfa.tiling.platform import platform_for
 
 
 @dataclass(frozen=True)
@@ -241,9 +240,9 @@ def _attention_kernel(
                 )
 
 
-def launch_options(device: torch.device) -> LaunchOptions:
-    """The :data:`LAUNCH` entry for ``device``'s platform (``$QFA_PLATFORM`` honoured)."""
-    return LAUNCH.get(platform_for(device).name, _DEFAULT_LAUNCH)
+def launch_options(plan: AttentionPlan) -> LaunchOptions:
+    """The :data:`LAUNCH` entry for the plan's platform (the one its grid was made for)."""
+    return LAUNCH.get(plan.platform.name, _DEFAULT_LAUNCH)
 
 
 def forward(
@@ -264,7 +263,7 @@ def forward(
         return out, lse
     scalars = plan.scalars(q_descale, k_descale, v_descale, p_scale)
     lut = luts.decode_lut(torch.float16, plan.device)
-    opts = launch_options(plan.device)
+    opts = launch_options(plan)
     extra = {}
     if opts.num_warps is not None:
         extra["num_warps"] = opts.num_warps

@@ -27,7 +27,7 @@ import triton.language as tl
 from qfa.cast import luts
 from qfa.kernels.hif8 import hif8_decode_bits, hif8_encode
 from qfa.tiling.cast import CastPlan, cast_plan
-from qfa.tiling.platform import Platform, get_platform, platform_for
+from qfa.tiling.platform import Platform, resolve_platform
 
 
 @triton.jit
@@ -57,12 +57,6 @@ def _cast_kernel(
             else:
                 y = hif8_encode(x, lut_ptr).to(tl.uint8)
             tl.store(dst_ptr + offs, y, mask=mask)
-
-
-def _platform(platform: Platform | str | None, device: torch.device) -> Platform:
-    if platform is None:
-        return platform_for(device)
-    return get_platform(platform) if isinstance(platform, str) else platform
 
 
 def _check_flat(t: torch.Tensor, name: str) -> None:
@@ -96,12 +90,12 @@ def _launch(plan: CastPlan, src: torch.Tensor, dst: torch.Tensor, lut: torch.Ten
 
 def encode_plan(flat: torch.Tensor, overflow: str, platform: Platform | str | None = None) -> CastPlan:
     """The plan ``encode`` launches with for ``flat`` on its device's (or the given) platform."""
-    return cast_plan("encode", flat.numel(), flat.dtype, _platform(platform, flat.device), overflow)
+    return cast_plan("encode", flat.numel(), flat.dtype, resolve_platform(platform, flat.device), overflow)
 
 
 def decode_plan(flat_codes: torch.Tensor, dtype: torch.dtype, platform: Platform | str | None = None) -> CastPlan:
     """The plan ``decode`` launches with for ``flat_codes`` on its device's (or the given) platform."""
-    return cast_plan("decode", flat_codes.numel(), dtype, _platform(platform, flat_codes.device))
+    return cast_plan("decode", flat_codes.numel(), dtype, resolve_platform(platform, flat_codes.device))
 
 
 def encode(

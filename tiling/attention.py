@@ -439,11 +439,19 @@ class AttentionPlan:
         return tuple(kv - q for q, kv in zip(self.q_lens, self.kv_lens))
 
     @cached_property
+    def platform(self):
+        """The launch platform (``qfa.tiling.platform``), looked up once per plan: the grid and
+        the kernel's launch options come from the same entry. Derived on first use, so the torch
+        path never asks for one."""
+        from qfa.tiling.platform import platform_for
+
+        return platform_for(self.device)
+
+    @cached_property
     def grid(self) -> tuple[int, int]:
         """The Triton launch grid over the plan's items (batch * q heads x ``n_tiles``): one
-        program per item, or a persistent grid (see :func:`_grid`). Derived on first use, so the
-        torch path never asks for a launch platform."""
-        return _grid(self.batch * self.heads_q, self.n_tiles, self.device)
+        program per item, or a persistent grid (see :func:`_grid`)."""
+        return _grid(self.batch * self.heads_q, self.n_tiles, self.platform)
 
     @cached_property
     def seq_table(self) -> torch.Tensor:
@@ -472,16 +480,13 @@ def torch_tile_rows(group: int) -> int:
     return max(TORCH_TILE_MIN_POSITIONS, TORCH_TILE_SCORE_ROWS // group)
 
 
-def _grid(programs_bh: int, tiles_m: int, device: torch.device) -> tuple[int, int]:
+def _grid(programs_bh: int, tiles_m: int, platform) -> tuple[int, int]:
     """(batch * heads, query tiles), or on NPU / the interpreter a persistent grid of one
     program per core (every program loops over items pid, pid + programs, ...).
 
     Batch * heads goes on the first axis: CUDA allows 2^31 - 1 programs there but only 65535
     on the others, and a sequence needs 65535 query tiles (8M rows) before it hits that.
     """
-    from qfa.tiling.platform import platform_for
-
-    platform = platform_for(device)
     if platform.persistent:
         return (max(1, min(platform.cube_cores, tiles_m * programs_bh)), 1)
     if tiles_m > MAX_QUERY_TILES:

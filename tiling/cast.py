@@ -33,7 +33,7 @@ from typing import Iterator
 import torch
 
 from qfa.cast import format as fmt
-from qfa.tiling.platform import Platform, get_platform
+from qfa.tiling.platform import Platform, resolve_platform
 from qfa.tiling.spec import FLOAT_DTYPES  # the dtypes the cast takes (encode) or produces (decode)
 
 OPS = ("encode", "decode")
@@ -156,14 +156,6 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
-def _as_platform(platform: Platform | str) -> Platform:
-    if isinstance(platform, Platform):
-        return platform
-    if isinstance(platform, str):
-        return get_platform(platform)
-    raise TypeError(f"platform must be a Platform or a platform name, got {type(platform).__name__}")
-
-
 def element_bytes(op: str, dtype: torch.dtype) -> tuple[int, int]:
     """(input, output) bytes per element of ``op`` on float ``dtype``."""
     _check_op(op)
@@ -180,7 +172,7 @@ def lut_bytes(op: str, dtype: torch.dtype) -> int:
 
 def tile_elements(op: str, dtype: torch.dtype, platform: Platform | str) -> int:
     """Rule 1: the tile, in elements, of ``op`` on ``dtype`` for ``platform``."""
-    platform = _as_platform(platform)
+    platform = resolve_platform(platform)
     in_size, out_size = element_bytes(op, dtype)
     table = lut_bytes(op, dtype) if platform.lut_on_chip else 0
     raw = min((platform.ub_bytes - table) // (in_size + out_size), MAX_TILE)
@@ -223,7 +215,7 @@ def cast_plan(
     """The plan of ``op`` over ``numel`` elements of float ``dtype`` (encode's input, decode's output)."""
     _check_op(op)
     _check_dtype(dtype)
-    platform = _as_platform(platform)
+    platform = resolve_platform(platform)
     if isinstance(numel, bool) or not isinstance(numel, int):
         raise TypeError(f"numel must be an int, got {type(numel).__name__}")
     if numel <= 0:

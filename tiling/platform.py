@@ -128,6 +128,17 @@ def get_platform(name: str, *, source: str | None = None) -> Platform:
         raise ValueError(f"unknown platform {given}; known platforms: {', '.join(PLATFORMS)}") from None
 
 
+def resolve_platform(platform: "Platform | str | None", device: torch.device | str | None = None) -> Platform:
+    """A :class:`Platform`, from itself, its name, or (None) the device's entry (:func:`platform_for`)."""
+    if isinstance(platform, Platform):
+        return platform
+    if isinstance(platform, str):
+        return get_platform(platform)
+    if platform is None and device is not None:
+        return platform_for(device)
+    raise TypeError(f"platform must be a Platform or a platform name, got {type(platform).__name__}")
+
+
 def _npu_platform(device: torch.device) -> Platform:
     """A2 unless torch_npu names an A3 (910_93) or a 950; imported only for NPU devices."""
     try:
