@@ -13,12 +13,11 @@ from qfa.attention import calibration as cal
 from qfa.cast import format as fmt
 
 
-def encode(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+def encode(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, saturated)``: the HiF8 codes of ``x / scale`` (saturating) and the number of
-    finite elements whose magnitude reached the overflow threshold (those clamped to +-MAX)."""
+    finite elements whose magnitude reached the overflow threshold (those clamped to +-MAX), as
+    a 0-d int64 tensor on x's device (a cache adds them up there: no device sync per token)."""
     codes = cal.quantize(x, scale)
-    if x.numel() == 0:
-        return codes, 0
     scaled = x.detach().float() / cal.check_scale(scale, "scale", x.device)  # quantize's own division
-    saturated = int(((scaled.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(scaled)).sum())
+    saturated = ((scaled.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(scaled)).sum()
     return codes, saturated

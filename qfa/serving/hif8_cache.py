@@ -108,8 +108,16 @@ class HiF8Layer(DynamicLayer):
         self.k_mean: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.seen = 0  # token columns passed to update (padding included): transformers' length
-        self.saturated_k = self.saturated_v = 0
+        self._saturated_k = self._saturated_v = 0  # device tensors once counted: read on demand
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def saturated_k(self) -> int:
+        return int(self._saturated_k)
+
+    @property
+    def saturated_v(self) -> int:
+        return int(self._saturated_v)
 
     @property
     def saturated(self) -> int:
@@ -190,8 +198,8 @@ class HiF8Layer(DynamicLayer):
             self.v_scale = cal.check_scale(self.rule(v_new), "v scale from the calibration rule")
         k_codes, k_sat = encode(k_new, self.k_scale)
         v_codes, v_sat = encode(v_new, self.v_scale)
-        self.saturated_k += k_sat
-        self.saturated_v += v_sat
+        self._saturated_k = self._saturated_k + k_sat
+        self._saturated_v = self._saturated_v + v_sat
         self._write(k_codes, v_codes, counts)
 
     def _write(self, k_codes: torch.Tensor, v_codes: torch.Tensor, counts: torch.Tensor) -> None:
@@ -249,7 +257,7 @@ class HiF8Layer(DynamicLayer):
         self.keys = self.values = None
         self.is_initialized = False
         self.q_scale = self.k_scale = self.v_scale = self.k_mean = self.lengths = None
-        self.seen = self.saturated_k = self.saturated_v = 0
+        self.seen = self._saturated_k = self._saturated_v = 0
         self._pending = []
 
 

@@ -76,8 +76,7 @@ class PagedHiF8Cache:
         self.v_codes = [torch.zeros(shape, dtype=torch.uint8, device=self.device) for _ in range(num_layers)]
         self.k_scales: list[torch.Tensor | None] = [None] * num_layers
         self.v_scales: list[torch.Tensor | None] = [None] * num_layers
-        #: Elements (K and V) clamped to +-MAX when encoded, per layer.
-        self.saturated = [0] * num_layers
+        self._saturated = [torch.zeros((), dtype=torch.long, device=self.device) for _ in range(num_layers)]
         if scales is not None:
             self._set_scales(scales)
         # Lowest block index first: a freed block is handed out again before untouched ones.
@@ -100,6 +99,11 @@ class PagedHiF8Cache:
         del self._lengths[seq_id]
         self._free.extend(sorted(blocks, reverse=True))
         self._free.sort(reverse=True)
+
+    @property
+    def saturated(self) -> list[int]:
+        """Per layer, the K and V elements clamped to +-MAX when encoded (read on the host here)."""
+        return [int(n) for n in self._saturated]
 
     @property
     def free_blocks(self) -> int:
@@ -189,7 +193,7 @@ class PagedHiF8Cache:
         slots = self._slots(blocks, start, end)
         self.k_codes[layer].view(-1, self.num_kv_heads, self.head_dim)[slots] = k_codes
         self.v_codes[layer].view(-1, self.num_kv_heads, self.head_dim)[slots] = v_codes
-        self.saturated[layer] += k_sat + v_sat
+        self._saturated[layer] = self._saturated[layer] + k_sat + v_sat
         self._lengths[seq_id][layer] = end
 
     def _slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
