@@ -18,8 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AttentionInterface, DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 import qfa  # noqa: E402
 import qfa.integrations.transformers as qfa_hf  # noqa: E402
@@ -36,25 +35,15 @@ IMPL = "qfa_hif8_cache_test"
 VOCAB = 512
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, is_causal=None, **kwargs):
-    """What the 'qfa_hif8' attention function is to do first (see the report): hand a
-    HiF8Cache's placeholders to cached_attention; anything else goes to the usual adapter."""
-    found = hif8_cache_of(key)
-    if found is not None:
-        cache, layer_idx = found
-        out = cached_attention(module, query, cache, layer_idx, softmax_scale=scaling,
-                               attention_mask=attention_mask, is_causal=is_causal)
-        return out, None
-    return _FALLBACK(module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs)
-
-
-_FALLBACK = qfa_hf.make_attention_function(IMPL)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    AttentionInterface.register(IMPL, _attention)
-    AttentionMaskInterface.register(IMPL, qfa_hf.qfa_mask)
+    """The real adapter: "qfa_hif8"'s attention function hands a HiF8Cache's placeholders to
+    cached_attention (qfa.integrations.transformers), everything else to the drop-in."""
+    qfa_hf.register(IMPL)
+
+
+def test_the_adapter_exposes_the_cache_under_its_issue_name():
+    assert qfa_hf.HiF8Cache is HiF8Cache
 
 
 def randn(*shape, seed: int, dtype=torch.bfloat16, scale: float = 1.0) -> torch.Tensor:

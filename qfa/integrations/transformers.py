@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from qfa.serving.attention import cached_attention, hif8_cache_of
 from qfa.tiling.attention import HEAD_DIM  # the op's only head size
 
 FALLBACKS = (None, "sdpa")
@@ -264,6 +265,12 @@ def make_attention_function(
         if softcap is not None:
             raise ValueError(f"{name}: attention logit softcapping is not supported")
         is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        found = hif8_cache_of(key)  # a qfa.serving.HiF8Cache: attention on its stored codes
+        if found is not None:
+            cache, layer_idx = found
+            return cached_attention(module, query, cache, layer_idx, softmax_scale=scaling,
+                                    attention_mask=attention_mask, is_causal=bool(is_causal),
+                                    p_scale=options.get("p_scale"), backend=options.get("backend")), None
         head_dim = query.shape[-1]
         why = None
         if head_dim != HEAD_DIM or key.shape[-1] != HEAD_DIM or value.shape[-1] != HEAD_DIM:
@@ -375,3 +382,13 @@ def register_fp8_e4m3(name: str = "fp8_e4m3", *, fallback: str | None = None, sm
     """Register the per-tensor FP8 E4M3 emulation (:func:`fp8_e4m3_adapter`) as ``name``."""
     return register(name, fallback=fallback,
                     attention_fn=functools.partial(fp8_e4m3_adapter, smooth_k=smooth_k, rotate=rotate))
+
+
+def __getattr__(name: str):
+    """``HiF8Cache`` (the HiF8 KV cache, :mod:`qfa.serving.hif8_cache`) loads transformers, so it
+    is imported on first use rather than with this module."""
+    if name == "HiF8Cache":
+        from qfa.serving.hif8_cache import HiF8Cache
+
+        return HiF8Cache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
