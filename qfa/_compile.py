@@ -24,6 +24,7 @@ eager retry after a failed compiled call cannot apply an update twice.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 import warnings
@@ -42,6 +43,24 @@ _failed: set[Callable] = set()
 #: Per function, the input signatures whose compile failed: those calls run eagerly.
 _failed_signatures: dict[Callable, set[Hashable]] = {}
 _scope = threading.local()
+#: Serialises the first compile of each (function, signature): dynamo and inductor import much
+#: of themselves lazily, and two threads importing a circular group at once see a partially
+#: initialised module (ImportError / AttributeError). Later calls run without it.
+_first_compile = threading.RLock()
+#: Per function, the signatures that compiled and ran once.
+_warm: dict[Callable, set[Hashable]] = {}
+_imported = False
+
+
+def _dynamo():
+    """``torch._dynamo``, imported once under :data:`_first_compile` (see there)."""
+    global _imported
+    if not _imported:
+        with _first_compile:
+            importlib.import_module("torch._dynamo")
+            importlib.import_module("torch._inductor.utils")
+            _imported = True
+    return torch._dynamo
 
 
 @contextlib.contextmanager
@@ -52,7 +71,7 @@ def limits():
     if getattr(_scope, "active", False):
         yield
         return
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    with _dynamo().config.patch(recompile_limit=RECOMPILE_LIMIT):
         _scope.active = True
         try:
             yield
@@ -101,17 +120,25 @@ def call(fn: Callable, *args, device: torch.device):
         with _lock:
             compiled = _compiled.get(fn)
             if compiled is None:
+                _dynamo()
                 compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        sig = signature(args)
         try:
             with limits():
-                return compiled(*args)
+                if sig in _warm.get(fn, ()):
+                    return compiled(*args)
+                with _first_compile:  # one thread at a time through a first compile
+                    result = compiled(*args)
+                with _lock:
+                    _warm.setdefault(fn, set()).add(sig)
+                return result
         except Exception as exc:  # no C++ compiler, unsupported platform, an input it cannot take ...
             environmental = is_environmental(exc)
             with _lock:
                 if environmental:
                     _failed.add(fn)
                 else:
-                    _failed_signatures.setdefault(fn, set()).add(signature(args))
+                    _failed_signatures.setdefault(fn, set()).add(sig)
             scope = "from now on" if environmental else "for inputs like these (other inputs still compile)"
             warnings.warn(f"qfa: torch.compile of {fn.__name__} failed ({exc!r}); it runs in eager torch {scope}",
                           stacklevel=2)
