@@ -256,8 +256,8 @@ def test_backend_env_bogus(monkeypatch):
         call(good_bnsd(), backend=None)
 
 
-def test_paged_attention_sinks_and_windows_rejected():
-    with pytest.raises(ValueError, match=r"^block_table: paged KV is not supported in the HiF8 mode yet"):
+def test_block_table_without_a_paged_layout_sinks_and_windows_rejected():
+    with pytest.raises(ValueError, match=r"^block_table: paged KV needs layout_kv 'PA_BBND' or 'PA_BNBD'"):
         call(good_bnsd(), block_table=torch.zeros(B, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^sinks: attention sinks are not supported"):
         call(good_bnsd(), sinks=torch.zeros(NQ))
