@@ -121,3 +121,28 @@ def test_an_in_place_change_of_the_mask_is_a_new_plan():
     mask[1, :2] = False
     attention(None, q, k, v, mask, is_causal=True)
     assert seen == [[0, 6, 15], [0, 6, 15], [0, 6, 13]]
+
+
+@pytest.mark.parametrize("layout", ["TND", "BSND"])
+def test_dropin_with_metadata_gives_the_bits_of_planning_per_call(layout):
+    """hif8_attention(metadata=...) runs the op on a ready plan: same bits, no length read."""
+    import qfa
+
+    g = torch.Generator().manual_seed(9)
+    if layout == "TND":
+        q, k, v = (torch.randn(50, 4, 128, generator=g) for _ in range(3))
+        lengths = dict(cu_seqlens_q=torch.tensor([0, 20, 20, 50], dtype=torch.int32),
+                       cu_seqlens_kv=torch.tensor([0, 10, 30, 50], dtype=torch.int32))
+    else:
+        q, k, v = (torch.randn(3, 30, 4, 128, generator=g) for _ in range(3))
+        lengths = dict(seqused_q=torch.tensor([30, 0, 7], dtype=torch.int32),
+                       seqused_kv=torch.tensor([30, 4, 20], dtype=torch.int32))
+    want = qfa.hif8_attention(q, k, v, layout=layout, is_causal=True, return_softmax_lse=True, **lengths)
+    meta = qfa.quant_flash_attn_metadata(4, 4, layout=layout, mask_mode=3, **lengths)
+    reads, read = [], checks.int32_vector
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checks, "int32_vector", lambda *a, **kw: reads.append(a[1]) or read(*a, **kw))
+        got = qfa.hif8_attention(q, k, v, layout=layout, is_causal=True, return_softmax_lse=True, metadata=meta,
+                                 **lengths)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert reads == []
