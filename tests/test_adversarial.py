@@ -599,3 +599,20 @@ def test_static_scales_carry_nan_and_inf_as_codes():
     out = qfa.hif8_attention(q, k, v, is_causal=True, rotate=False, smooth_k=False, scales=(0.01, 0.01, 0.01))
     assert torch.isnan(out[0, 0, 5:, 0]).all() and torch.isfinite(out[0, 0, :5]).all()
     assert torch.isfinite(out[0, 0, :, 1:]).all()
+
+
+def test_scales_that_require_grad_change_nothing_and_poison_nothing():
+    """Static scales and p_scale with requires_grad=True (they used to make the softmax step's
+    compile fail, switching it to eager for the rest of the process): the bits of plain
+    tensors, no graph, and qfa._compile's records unchanged."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 40, D, generator=g) for _ in range(3))
+    plain = [torch.tensor([0.02]), torch.tensor([0.03]), torch.tensor([0.01])]
+    want = qfa.hif8_attention(q, k, v, scales=plain, p_scale=torch.tensor([2.0]), return_softmax_lse=True)
+    state = process_state(threads=not native_runs())
+    grads = [s.clone().requires_grad_() for s in plain]
+    got = qfa.hif8_attention(q, k, v, scales=grads, p_scale=torch.tensor([2.0], requires_grad=True),
+                             return_softmax_lse=True)
+    assert process_state(threads=not native_runs()) == state
+    assert not got[0].requires_grad and not got[1].requires_grad
+    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])

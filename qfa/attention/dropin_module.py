@@ -43,7 +43,10 @@ class HiF8Attention(nn.Module):
     outside a frozen scale's range saturate to HiF8's MAX.
 
     ``HiF8Attention(scales=(q_scale, k_scale, v_scale))`` starts static with those scales (as
-    :meth:`set_scales` does). ``HiF8Attention(static=True)`` demands scales: calling it before
+    :meth:`set_scales` does). Static scales are the op's descales, so the op's valid ranges
+    apply (see :func:`~qfa.attention.dropin.hif8_attention`'s ``scales`` and ``p_scale``): each
+    finite and > 0, ``softmax_scale * q_scale * k_scale <= FLT_MAX / (128 * 32768^2)``,
+    ``v_scale * p_scale <= FLT_MAX / (1.25 * 32768 * Skv)``, ``p_scale`` in [2^-15, 2^15]. ``HiF8Attention(static=True)`` demands scales: calling it before
     they are frozen, set or loaded raises ``ValueError``. ``scale=`` is a deprecated alias of
     ``softmax_scale=``.
     """
