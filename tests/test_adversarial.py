@@ -616,3 +616,13 @@ def test_scales_that_require_grad_change_nothing_and_poison_nothing():
     assert process_state(threads=not native_runs()) == state
     assert not got[0].requires_grad and not got[1].requires_grad
     assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+
+
+def test_calibrating_on_meta_tensors_is_a_clear_error():
+    t = torch.empty(1, 2, 8, D, device="meta")
+    attn = qfa.HiF8Attention()
+    with pytest.raises(ValueError, match="meta device, but calibration reads their values"):
+        with attn.calibrate():
+            attn(t, t, t)
+    assert not attn.calibrating
+    assert attn(t, t, t).device.type == "meta"  # outside calibrate(): meta outputs, as the op

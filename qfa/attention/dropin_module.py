@@ -101,6 +101,9 @@ class HiF8Attention(nn.Module):
         """Record one batch's statistics (what would be quantised) without computing attention."""
         lengths = (cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv)
         dropin_inputs.check_qkv(q, k, v, self.layout, *lengths)
+        if q.device.type == "meta":
+            raise ValueError("q, k and v are on the meta device, but calibration reads their values: observe "
+                             "real tensors (forward on meta tensors outside calibrate() gives meta outputs)")
         dropin_inputs.check_length_values(q, k, self.layout, *lengths)
         if self._observers is None:
             self.start_calibration()
