@@ -305,20 +305,24 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       const float m_new = max_nan(m[r], rm * c.dscale - c.ln_p);
       // Rows that have seen no key keep m = -inf; subtract 0 there so exp gives 0, not NaN.
       const float m_safe = m_new == kNegInf ? 0.f : m_new;
+      // One pass: exponent (S * dScale - m, rounded twice as in the torch path), exp, row sum.
       const Vec vd(c.dscale), vm(m_safe);
+      Vec acc(0.f);
       int64_t j = 0;
-      for (; j + Vec::size() <= nv; j += Vec::size()) (Vec::loadu(s + j) * vd - vm).store(s + j);
-      if (j < nv) (Vec::loadu(s + j, nv - j) * vd - vm).store(s + j, nv - j);
-      exp_inplace(s, nv);
+      for (; j + Vec::size() <= nv; j += Vec::size()) {
+        const Vec p = (Vec::loadu(s + j) * vd - vm).exp();
+        p.store(s + j);
+        acc = acc + p;
+      }
       float sum = 0.f;
       {
-        Vec acc(0.f);
-        int64_t jj = 0;
-        for (; jj + Vec::size() <= nv; jj += Vec::size()) acc = acc + Vec::loadu(s + jj);
         alignas(64) float tmp[Vec::size()];
         acc.store(tmp);
         for (int i = 0; i < Vec::size(); ++i) sum += tmp[i];
-        for (; jj < nv; ++jj) sum += s[jj];
+      }
+      if (j < nv) {
+        (Vec::loadu(s + j, nv - j) * vd - vm).exp().store(s + j, nv - j);
+        for (; j < nv; ++j) sum += s[j];
       }
       round_row(s, nv, c.rc);
       for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
