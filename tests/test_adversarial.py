@@ -14,7 +14,8 @@ pure-torch CPU paths, and HiF8 codes from data or from random bytes:
   with NaN/Inf codes among the inputs, a NaN of the reference is never a finite output;
 * masked keys have no influence: keys past ``seqused_kv`` and keys hidden by the causal mask,
   poisoned with NaN/Inf codes or random codes, leave the bits of every row that cannot see them;
-* a bad argument raises ValueError/TypeError naming it;
+* a bad argument raises ValueError/TypeError naming it (every mutation in the lists below, not a
+  sample: they are cheap);
 * suspicious inputs (bad cu_seqlens through the drop-in used to abort the interpreter with
   "double free or corruption") raise a clean Python exception in a fresh interpreter.
 """
@@ -337,8 +338,19 @@ TND_MUTATIONS = [
 ]
 
 
-@settings(suppress_health_check=SUPPRESSED)
-@given(index=st.integers(0, len(OP_MUTATIONS) - 1))
+MAX_SEQLEN_UNCHECKED = pytest.mark.xfail(
+    strict=True, reason="tiling.attention checks max_seqlen_q/kv only against lengths known at planning (TND, "
+                        "seqused): a BNSD q of S=8 with max_seqlen_q=3 is accepted, though its docstring says checked")
+
+
+def _op_mutation_params():
+    for i, (name, _, _) in enumerate(OP_MUTATIONS):
+        marks = [MAX_SEQLEN_UNCHECKED] if name == "max_seqlen_q" else []
+        yield pytest.param(i, id=f"{i}-{name}", marks=marks)
+
+
+# Exhaustive over the list (cheap): a sampled subset would leave mutations untried in CI.
+@pytest.mark.parametrize("index", list(_op_mutation_params()))
 def test_a_bad_op_argument_raises_an_error_naming_it(index):
     name, bad, named = OP_MUTATIONS[index]
     call = _good_op_call()
@@ -367,8 +379,7 @@ DROPIN_MUTATIONS = [
 ]
 
 
-@settings(suppress_health_check=SUPPRESSED)
-@given(index=st.integers(0, len(DROPIN_MUTATIONS) + len(TND_MUTATIONS) - 1))
+@pytest.mark.parametrize("index", range(len(DROPIN_MUTATIONS) + len(TND_MUTATIONS)))
 def test_a_bad_dropin_argument_raises_an_error_naming_it(index):
     if index < len(DROPIN_MUTATIONS):
         name, bad, named = DROPIN_MUTATIONS[index]
