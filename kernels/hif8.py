@@ -34,6 +34,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from qfa.cast import format as fmt
+
+# The format's constants, from qfa.cast.format (Triton kernels read globals only as constexprs).
+#: Largest |E| of the binades that keep 3, 2 and 1 mantissa bits: 3, 7, 15.
+_EDGES = [e for e in range(fmt.MAX_EXPONENT) if fmt.mantissa_bits(e) != fmt.mantissa_bits(e + 1)] + [fmt.MAX_EXPONENT]
+assert [fmt.mantissa_bits(e) for e in _EDGES] == [3, 2, 1]
+_M3_LO = tl.constexpr(2.0 ** -_EDGES[0])
+_M3_HI = tl.constexpr(2.0 ** (_EDGES[0] + 1))
+_M2_LO = tl.constexpr(2.0 ** -_EDGES[1])
+_M2_HI = tl.constexpr(2.0 ** (_EDGES[1] + 1))
+_M1_LO = tl.constexpr(2.0 ** -_EDGES[2])
+_M1_HI = tl.constexpr(2.0 ** (_EDGES[2] + 1))
+_UNDERFLOW = tl.constexpr(fmt.UNDERFLOW_THRESHOLD)
+_MIN_DENORMAL = tl.constexpr(fmt.MIN_DENORMAL)
+_MAX = tl.constexpr(fmt.MAX)
+_NAN_CODE = tl.constexpr(fmt.NAN_CODE)
+_SIGN_BIT = tl.constexpr(fmt.SIGN_BIT)
+
 
 @triton.jit
 def hif8_encode_half(bits, half_lut_ptr):
@@ -42,7 +60,7 @@ def hif8_encode_half(bits, half_lut_ptr):
     mag = tl.load(half_lut_ptr + (b & 0x7FFF)).to(tl.int32)
     # mag | sign << 7 unless mag == 0 (no -0); min(mag, 1) is 0 exactly for mag == 0, and avoids
     # an int32 compare. NaN's 0x80 keeps its single code: 0x80 | 0x80 == 0x80.
-    return mag | (((b >> 15) * tl.minimum(mag, 1)) << 7)
+    return mag | ((b >> 15) * tl.minimum(mag, 1) * _SIGN_BIT)
 
 
 @triton.jit
@@ -55,7 +73,7 @@ def hif8_encode_f32(x, bf16_half_lut_ptr):
     """
     bits = x.to(tl.int32, bitcast=True)
     code = hif8_encode_half(bits >> 16, bf16_half_lut_ptr)
-    return tl.where(x != x, 0x80, code)
+    return tl.where(x != x, _NAN_CODE, code)
 
 
 @triton.jit
@@ -97,13 +115,13 @@ def hif8_round_sat(x):
     ax = tl.abs(x)
     a = ax.to(tl.int32, bitcast=True)
     # m(e) = [2^-15 <= a < 2^16] + [2^-7 <= a < 2^8] + [2^-3 <= a < 2^4]; exact float compares.
-    m = ((ax >= 0.000030517578125) & (ax < 65536.0)).to(tl.int32)
-    m += ((ax >= 0.0078125) & (ax < 256.0)).to(tl.int32)
-    m += ((ax >= 0.125) & (ax < 16.0)).to(tl.int32)
+    m = ((ax >= _M1_LO) & (ax < _M1_HI)).to(tl.int32)
+    m += ((ax >= _M2_LO) & (ax < _M2_HI)).to(tl.int32)
+    m += ((ax >= _M3_LO) & (ax < _M3_HI)).to(tl.int32)
     half = 4194304 >> m  # 2^22 >> m: the first dropped mantissa bit
     r = ((a + half) & (0 - (half + half))).to(tl.float32, bitcast=True)
     # below the denormals: [2^-23, 2^-22) -> 2^-22, below 2^-23 -> 0
-    r = tl.where(ax < 2.384185791015625e-07, tl.where(ax >= 1.1920928955078125e-07, 2.384185791015625e-07, 0.0), r)
-    r = tl.where(ax >= 32768.0, 32768.0, r)
-    r = tl.where(x <= -1.1920928955078125e-07, -r, r)  # sign kept unless the result is 0
+    r = tl.where(ax < _MIN_DENORMAL, tl.where(ax >= _UNDERFLOW, _MIN_DENORMAL, 0.0), r)
+    r = tl.where(ax >= _MAX, _MAX, r)
+    r = tl.where(x <= -_UNDERFLOW, -r, r)  # sign kept unless the result is 0
     return tl.where(x == x, r, x)
