@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qfa.cast.api
+import qfa.tiling.checks
 from qfa.attention import quant_flash_attn
 
 D = 128
@@ -93,7 +93,7 @@ def test_qkv_not_a_tensor(index, name):
 def test_qkv_hif8_dtypes_differ(monkeypatch):
     # Only uint8 holds HiF8 without torch_npu; pretend a second HiF8 dtype exists (as
     # torch_npu.hifloat8 would) so that q and k can hold HiF8 in two different dtypes.
-    monkeypatch.setattr(qfa.cast.api, "hifloat8_dtypes", lambda: (torch.uint8, torch.int8))
+    monkeypatch.setattr(qfa.tiling.checks, "hifloat8_dtypes", lambda: (torch.uint8, torch.int8))
     args = good_bnsd()
     with pytest.raises(TypeError, match=r"q, k and v must share one HiF8 dtype, got torch\.uint8, torch\.int8"):
         call(replace(args, 1, args[1].view(torch.int8)))

@@ -29,9 +29,8 @@ from functools import cached_property
 import torch
 
 from qfa.cast import format as fmt
-from qfa.cast.api import as_codes
 from qfa.tiling.checks import (
-    apply_seqused, check_bool, check_device, check_scalar_fp32, check_sequence_lengths, cumulative_lengths,
+    apply_seqused, check_bool, check_codes, check_device, check_scalar_fp32, check_sequence_lengths, cumulative_lengths,
     int32_vector, require_tensor,
 )
 from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
@@ -510,7 +509,7 @@ def check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale) -> None
     """Static checks of one call's tensors (types, dtypes, shapes of the scales): no value read."""
     q, k, v = (require_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        as_codes(t, name)
+        check_codes(t, name)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one HiF8 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import sys
+
 import torch
 
 from qfa.tiling.spec import FLOAT_DTYPES
@@ -17,6 +19,22 @@ from qfa.tiling.spec import FLOAT_DTYPES
 def require_tensor(value, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def hifloat8_dtypes() -> tuple[torch.dtype, ...]:
+    """Dtypes that hold HiF8 codes: uint8, plus ``torch_npu.hifloat8`` once torch_npu is loaded."""
+    npu = sys.modules.get("torch_npu")  # never import torch_npu ourselves
+    hif8 = getattr(npu, "hifloat8", None) if npu is not None else None
+    return (torch.uint8,) if not isinstance(hif8, torch.dtype) else (torch.uint8, hif8)
+
+
+def check_codes(value, name: str) -> torch.Tensor:
+    """A tensor of HiF8 codes (uint8, or torch_npu.hifloat8), or a TypeError naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of HiF8 codes, got {type(value).__name__}")
+    if value.dtype not in hifloat8_dtypes():
+        raise TypeError(f"{name} must hold HiF8 codes as torch.uint8 (or torch_npu.hifloat8), got {value.dtype}")
     return value
 
 

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from qfa import backends
 from qfa.cast import format as fmt
 from qfa.cast import luts, torch_path
+from qfa.tiling.checks import check_codes
 from qfa.tiling.spec import FLOAT_DTYPES
-
-
-def hifloat8_dtypes() -> tuple[torch.dtype, ...]:
-    """Dtypes that hold HiF8 codes: uint8, plus ``torch_npu.hifloat8`` once torch_npu is loaded."""
-    npu = sys.modules.get("torch_npu")  # never import torch_npu ourselves
-    hif8 = getattr(npu, "hifloat8", None) if npu is not None else None
-    return (torch.uint8,) if not isinstance(hif8, torch.dtype) else (torch.uint8, hif8)
 
 
 def as_codes(y: torch.Tensor, name: str) -> torch.Tensor:
     """``y`` as a uint8 tensor of HiF8 codes, or a TypeError naming ``name``."""
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of HiF8 codes, got {type(y).__name__}")
-    if y.dtype not in hifloat8_dtypes():
-        raise TypeError(f"{name} must hold HiF8 codes as torch.uint8 (or torch_npu.hifloat8), got {y.dtype}")
+    check_codes(y, name)
     return y if y.dtype == torch.uint8 else y.view(torch.uint8)
 
 
