@@ -1,4 +1,4 @@
-"""``python -m qfa`` / ``qfa``: the demo, the benchmarks and the perplexity evaluation.
+"""``python -m qfa`` / ``qfa``: the demo, the benchmarks, the perplexity evaluation and generation.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) ->
 int``; this file only wires them up, importing a module when its command runs.
@@ -14,6 +14,8 @@ import sys
 COMMANDS = {
     "demo": ("qfa.tools.demo", "HiF8 vs FP8 E4M3 on a built-in LLM-like workload: codec and attention error, speed, chart"),
     "eval-ppl": ("qfa.tools.eval_ppl", "perplexity / top-1 agreement / KL of attention implementations on a local model"),
+    "generate": ("qfa.tools.generate", "prefill + greedy decode per attention implementation: tokens/s, KV-cache bytes, "
+                 "agreement"),
 }
 BENCHES = {
     "cast": ("qfa.tools.bench.cast", "HiF8 encode/decode throughput vs torch's native fp8 cast and a copy"),

@@ -41,6 +41,11 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 QFA_BASES = ("qfa_hif8", "fp8_e4m3")
 #: options of qfa.hif8_attention that an --attn spec may set
 HIF8_OPTIONS = {"calibration", "smooth_k", "p_scale", "backend", "rotate"}
+#: options of a qfa_hif8 spec that a HiF8Cache takes (it encodes K and V; p_scale and backend
+#: stay with the attention call)
+CACHE_OPTIONS = ("calibration", "smooth_k", "rotate")
+#: --cache: what qfa_hif8 decodes on (the other implementations always use a DynamicCache)
+CACHES = ("hif8", "dynamic")
 #: rows of the vocabulary-sized log-prob tensors processed at once (bounds memory)
 _STAT_CHUNK = 128
 
@@ -111,18 +116,41 @@ def parse_attn(spec: str) -> list[tuple[str, str, dict]]:
     return out
 
 
+def hif8_options(options: dict, *, calibration=None, p_scale=None, smooth_k: bool = True) -> dict:
+    """A qfa_hif8 spec's options over the command's defaults (``--calibration`` etc.)."""
+    opts = {"smooth_k": smooth_k}
+    if calibration is not None:
+        opts["calibration"] = calibration
+    if p_scale is not None:
+        opts["p_scale"] = p_scale
+    opts.update(options)
+    return opts
+
+
+def make_cache(base: str, options: dict, kind: str = "hif8", config=None, *, calibration=None,
+               smooth_k: bool = True):
+    """The KV cache a spec runs on: a :class:`qfa.serving.HiF8Cache` for ``qfa_hif8`` with
+    ``kind="hif8"`` (the spec's calibration / smooth_k / rotate go to it: the cache encodes K and
+    V), else a ``DynamicCache`` (the model's dtype)."""
+    from transformers import DynamicCache
+
+    if kind not in CACHES:
+        raise ValueError(f"cache kind must be one of {CACHES}, got {kind!r}")
+    if base == "qfa_hif8" and kind == "hif8":
+        from qfa.serving.hif8_cache import HiF8Cache
+
+        opts = hif8_options(options, calibration=calibration, smooth_k=smooth_k)
+        return HiF8Cache(config, **{k: opts[k] for k in CACHE_OPTIONS if k in opts})
+    return DynamicCache(config=config)
+
+
 def register_implementations(specs, *, calibration=None, p_scale=None, smooth_k=True, fallback=None) -> None:
     """Register every qfa_hif8 / fp8_e4m3 spec of :func:`parse_attn` under its own name."""
     from qfa.integrations import transformers as qfa_hf
 
     for name, base, options in specs:
         if base == "qfa_hif8":
-            opts = {"smooth_k": smooth_k}
-            if calibration is not None:
-                opts["calibration"] = calibration
-            if p_scale is not None:
-                opts["p_scale"] = p_scale
-            opts.update(options)
+            opts = hif8_options(options, calibration=calibration, p_scale=p_scale, smooth_k=smooth_k)
             fb = opts.pop("fallback", fallback)
             unknown = set(opts) - HIF8_OPTIONS
             if unknown:
