@@ -433,7 +433,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              int64_t heads_kv, int64_t group, int64_t dim, int64_t block_n, std::vector<int64_t> q_starts,
              std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
              double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
-             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t min_items, int64_t predecode_bytes,
+             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t split_rows, int64_t chunk_blocks, int64_t predecode_bytes,
              int64_t store_bytes) {
   TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
   TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
@@ -503,16 +503,16 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     }
   }
 
-  // Too few items to fill the cores (decode): split their keys into chunks of whole blocks. The
-  // split depends only on the shapes, never on the thread count.
-  const int64_t units = static_cast<int64_t>(items.size());
+  // Items of few rows (decode: a few new tokens x the GQA group) split their keys into chunks
+  // of whole blocks. The split depends only on the item's own shape: never on the thread count,
+  // nor on the other batches of the call (a batch gives the same bits alone or with others).
   std::vector<Item> whole, chunks;
   std::vector<int64_t> chunk_begin;  // per split item: its first chunk; chunks of an item are contiguous
   std::vector<Item> split_items;
   for (const Item& it : items) {
     const int64_t nb = it.c1 - it.c0;
-    const int64_t want = units < min_items ? (min_items + units - 1) / units : 1;
-    const int64_t n = std::min(nb, want);
+    const int64_t rows = (it.t1 - it.t0) * group;
+    const int64_t n = rows <= split_rows && chunk_blocks > 0 ? (nb + chunk_blocks - 1) / chunk_blocks : 1;
     if (n <= 1) { whole.push_back(it); continue; }
     chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
     split_items.push_back(it);

@@ -117,13 +117,13 @@ def _fp32_out(plan, args, **kw):
 def test_key_split_is_the_sequential_walk_up_to_reassociation(shape):
     nq, nkv, q_lens, kv_lens, causal = shape
     plan, args = make(nq, nkv, q_lens, kv_lens, causal=causal, p_scale=15, seed=3)
-    seq_out, seq_lse = _fp32_out(plan, args, min_items=0)  # never split
+    seq_out, seq_lse = _fp32_out(plan, args, split_rows=0)  # never split
     n = max(math.ceil(x / plan.block_n) for x in kv_lens)
     k = 3 * n + 2
     gamma = k * U / (1 - k * U)
     vm = v_max(args)
-    for min_items in (cpu_kernel.MIN_ITEMS, 10**6):  # the default split, and one block per chunk
-        out, lse = _fp32_out(plan, args, min_items=min_items)
+    for chunk in (cpu_kernel.CHUNK_BLOCKS, 1):  # the default split, and one block per chunk
+        out, lse = _fp32_out(plan, args, chunk_blocks=chunk)
         bound = 4 * gamma * vm * (1 + gamma) + (2 * gamma + 2 * U) * seq_out.abs()
         assert ((out - seq_out).abs() <= bound).all(), float(((out - seq_out).abs() - bound).max())
         finite = torch.isfinite(seq_lse)

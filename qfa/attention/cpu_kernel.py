@@ -11,15 +11,17 @@ max, exp, row sum, HiF8 rounding and alpha; only blocks that cross the causal di
 masked. Prefill decodes each batch's K and V to fp32 once (a second, short region); decode reads
 the 1-byte codes of each block directly.
 
-Decode-shaped calls (too few items to fill the cores) split each item's keys into chunks of
-whole 256-key blocks. A chunk starts from the running max the sequential walk has before its
-first block (pass 1 computes each chunk's row maxima; max is exact), so every exponent, every P
-and every HiF8(P) is the sequential walk's, bit for bit. What differs is only fp32
+Decode-shaped items (a few rows: new tokens x the GQA group; too few items to fill the cores)
+split their keys into chunks of whole 256-key blocks. A chunk starts from the running max the
+sequential walk has before its first block (pass 1 computes each chunk's row maxima, and keeps
+the scores for pass 2 within a budget; max is exact), so every exponent, every P and every
+HiF8(P) is the sequential walk's, bit for bit. What differs is only fp32
 reassociation in the alphas: the sequential walk applies each block's alpha to l and O in turn,
 ``l = (l * a1 + r1) * a2 + r2``; a chunk starts from l = 0, O = 0 and keeps the product of its
 alphas, and the merge, in chunk order, computes ``l = l * (a1 * a2) + ((0 * a1 + r1) * a2 + r2)``
-(the same for O). The split depends only on the shapes, never on the thread count, so the result
-is the same bits on any number of threads.
+(the same for O). The split depends only on the item's own shape, never on the thread count or on
+the other batches, so the result is the same bits on any number of threads, and a batch gives
+the same bits alone or in a batch of others.
 
 The extension is compiled on first use (``torch.utils.cpp_extension.load``, into torch's
 extension cache) with the vector flags of the CPU capability torch itself detected; the build
@@ -50,9 +52,11 @@ SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_attention.cpp"
 #: causal, one thread: 256 rows 230 ms, 128 rows 250-310 ms (MKL runs the larger M faster, and
 #: the K/V blocks are read half as often).
 TILE_ROWS = 256
-#: Below this many (batch, kv head, query tile) items, keys are split (decode). A constant, not
-#: the thread count: the split changes fp32 reassociation, and the bits must not depend on threads.
-MIN_ITEMS = 16
+#: Items of at most this many rows (decode: new tokens x GQA group) split their keys into chunks
+#: of CHUNK_BLOCKS 256-key blocks. Constants of the item's own shape, not of the thread count or
+#: the rest of the call: the split changes fp32 reassociation, and the bits must not move.
+SPLIT_ROWS = 128
+CHUNK_BLOCKS = 4
 #: Prefill decodes the K and V that several tiles read to fp32 once, up to this many bytes.
 PREDECODE_BYTES = 1 << 30
 #: A split keeps pass 1's scores for pass 2 (rather than computing them twice) up to this many bytes.
@@ -152,7 +156,7 @@ def forward(
 
 
 def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, lse, *,
-             min_items: int = MIN_ITEMS, tile_rows: int = TILE_ROWS) -> None:
+             split_rows: int = SPLIT_ROWS, chunk_blocks: int = CHUNK_BLOCKS, tile_rows: int = TILE_ROWS) -> None:
     """Write every row the batches own (q_lens of them) into ``out`` / ``lse``; rows past them
     are left as they are (``forward`` allocates them as 0 / +inf)."""
     if q.device.type != "cpu":
@@ -171,5 +175,5 @@ def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_sc
         q, k, v, strides, out, list(normalised_strides(out, plan.layout)), lse, lse_strides,
         plan.heads_kv, plan.group, plan.head_dim, plan.block_n, list(plan.q_starts), list(plan.kv_starts),
         list(plan.q_lens), list(plan.kv_lens), bool(plan.causal), dscale, ln_p, float(v_descale), table,
-        _round_consts(), tile_rows, min_items, PREDECODE_BYTES, SCORE_STORE_BYTES,
+        _round_consts(), tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES,
     )
