@@ -94,6 +94,7 @@ def test_an_earlier_calls_plan_is_metadata_too(monkeypatch):
     q, k, v = codes(2, 4, 33, D), codes(2, 2, 40, D), codes(2, 2, 40, D)
     plan = tiling.plan_attention(q, k, v, *scales(), 0, mask_mode=3)
     seen = []
+    monkeypatch.setenv("QFA_NATIVE", "0")
     monkeypatch.setattr(torch_path, "forward", lambda p, *a: seen.append(p) or p.new_outputs())
     qfa.quant_flash_attn(q, k, v, *scales(), 0, mask_mode=3, metadata=plan)
     assert seen == [plan]  # the very same object: nothing re-planned
@@ -217,8 +218,10 @@ def count_host_reads(monkeypatch):
 
 
 def _as_device(monkeypatch):
-    """Make qfa treat CPU tensors as device memory, where a host read is a synchronisation."""
+    """Make qfa treat CPU tensors as device memory, where a host read is a synchronisation; the
+    native CPU kernel (CPU only, never used on devices) is left out."""
     monkeypatch.setattr(tiling, "host_reads_are_free", lambda device: False)
+    monkeypatch.setenv("QFA_NATIVE", "0")
 
 
 @pytest.mark.parametrize("layout", ["TND", "BNSD"])
@@ -260,7 +263,7 @@ def test_the_triton_launch_of_a_ready_plan_makes_no_host_read(monkeypatch):
     assert reads == {}
     plan = next(iter(meta._plans.values()))
     (grid, args, kwargs), _ = launches
-    assert grid == plan.grid and args[7] is plan.seq_table and args[11] == plan.n_tiles
+    assert grid == plan.grid and args[7] is plan.seq_table and args[12] == plan.n_tiles
 
 
 def test_planning_without_metadata_reads_the_lengths(monkeypatch):

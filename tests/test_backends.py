@@ -43,22 +43,34 @@ def test_requested_backend_beats_the_environment(monkeypatch):
         backends.resolve(torch.device("cpu"), "triton")
 
 
-def test_default_call_on_cpu_runs_the_torch_path(monkeypatch):
-    """``backend=None`` on CPU tensors reaches ``torch_path.forward`` and never the kernel."""
+@pytest.mark.parametrize("native", [True, False], ids=["native-available", "no-native"])
+def test_default_call_on_cpu_runs_the_torch_backend(monkeypatch, native):
+    """``backend=None`` on CPU tensors runs the torch backend, never the Triton kernel: the
+    native CPU kernel where it builds, ``torch_path.forward`` otherwise (or with QFA_NATIVE=0)."""
     import qfa.kernels.attention as kernel
+    from qfa.attention import cpu_kernel
 
     calls = []
-    real_forward = torch_path.forward
 
-    def counting_forward(*args, **kwargs):
-        calls.append(args[0])
-        return real_forward(*args, **kwargs)
+    def counting(module):
+        real = module.forward
+
+        def forward(*args, **kwargs):
+            calls.append(module.__name__)
+            return real(*args, **kwargs)
+
+        return forward
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("the Triton kernel ran on CPU tensors without being asked for")
 
-    monkeypatch.setattr(torch_path, "forward", counting_forward)
+    if native and not cpu_kernel.available():  # builds it, when a compiler is there
+        pytest.skip("the native CPU kernel did not build here")
+    monkeypatch.setattr(cpu_kernel, "available", lambda: native)
+    monkeypatch.setattr(cpu_kernel, "forward", counting(cpu_kernel) if native else no_kernel)
+    monkeypatch.setattr(torch_path, "forward", counting(torch_path))
     monkeypatch.setattr(kernel, "forward", no_kernel)
     q, k, v, qd, kd, vd = ref.random_qkv((1, 2, 40, D), (1, 1, 70, D), seed=19)
     out, _ = quant_flash_attn(q, k, v, qd, kd, vd, mask_mode=3, backend=None)
-    assert len(calls) == 1 and out.shape == (1, 2, 40, D)
+    want = "qfa.attention.cpu_kernel" if native else "qfa.attention.torch_path"
+    assert calls == [want] and out.shape == (1, 2, 40, D)
