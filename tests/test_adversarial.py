@@ -338,15 +338,9 @@ TND_MUTATIONS = [
 ]
 
 
-MAX_SEQLEN_UNCHECKED = pytest.mark.xfail(
-    strict=True, reason="tiling.attention checks max_seqlen_q/kv only against lengths known at planning (TND, "
-                        "seqused): a BNSD q of S=8 with max_seqlen_q=3 is accepted, though its docstring says checked")
-
-
 def _op_mutation_params():
     for i, (name, _, _) in enumerate(OP_MUTATIONS):
-        marks = [MAX_SEQLEN_UNCHECKED] if name == "max_seqlen_q" else []
-        yield pytest.param(i, id=f"{i}-{name}", marks=marks)
+        yield pytest.param(i, id=f"{i}-{name}")
 
 
 # Exhaustive over the list (cheap): a sampled subset would leave mutations untried in CI.

@@ -686,6 +686,9 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
         rows = (seq_q,) * batch
     if not 0 < batch <= MAX_BATCH:
         raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
+    for lens, bound, name in ((q_lens, meta.max_seqlen_q, "max_seqlen_q"), (kv_lens, meta.max_seqlen_kv, "max_seqlen_kv")):
+        if bound != -1 and max(lens, default=0) > bound:
+            raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
     seq_kv = max(kv_lens, default=0) if paged or layout == "TND" else ks["s"]
     out_shape = tuple(q.shape)
     out_strides = _contiguous_strides(out_shape)
