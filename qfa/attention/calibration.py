@@ -23,18 +23,38 @@ Power-of-two scales make ``x / s`` exact, so the only rounding is HiF8's own. Ev
 returns 1.0 for an all-zero (or empty) tensor and raises ``ValueError`` on NaN or Inf.
 
 For static (frozen) scales, :class:`ScaleObserver` gathers statistics over several sample
-batches (the exact absolute maximum and a bounded, deterministic subsample of the values) and
-applies a rule to them once at the end.
+batches and applies a rule to them once at the end: the exact statistics of a rule's reducible
+form when it has one, else the exact absolute maximum and a bounded, deterministic subsample.
+
+Reducible rules and tensor parallel
+-----------------------------------
+A rule may have a *reducible form* (:class:`Reduction`): a few float64 statistics of the values,
+each with the op that combines two sets of them (``"max"`` or ``"sum"``), and a finish step from
+the combined statistics to the scale. ``"amax"`` has one (the absolute maximum, MAX) and so has
+``"rms"`` (the sum of squares and the element count, SUM); ``"mse"`` has none (its search runs on
+a strided subsample of the flattened tensor, which no per-shard statistic determines). The
+reducible form lets a scale be computed from pieces: batches in :class:`ScaleObserver`, and head
+shards across the ranks of a tensor-parallel group (:func:`sharded_scale`, one small all_reduce
+per tensor). A rule without one is applied to the whole tensor, gathered from the shards (exact
+for every rule, at the cost of moving the tensor). See :mod:`qfa.attention.distributed`.
+
+Exactness: MAX is exact in any order, so ``"amax"`` from shards or batches is bit for bit the
+unsharded rule. The float64 sum of squares summed in another order (per shard, then across
+ranks) can differ from the unsharded one in its last bits; ``"rms"`` rounds log2(rms) to an
+integer, which hides that except when log2(rms) sits within a few float64 ulps of a
+half-integer (a tie of the rounding), where the two can pick neighbouring powers of two.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
+from qfa.attention import distributed
 from qfa.cast import format as fmt
 
 #: A calibration rule: float tensor -> fp32 scale of shape (1,).
@@ -152,19 +172,97 @@ def mse_scale(x: torch.Tensor) -> torch.Tensor:
     return _pow2(exps[int(torch.argmin(torch.stack(errors)))])
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """A rule's reducible form: statistics that combine by ``ops`` and a finish step.
+
+    ``statistics(flat)`` maps the 1-D fp32 values to a float64 tensor of ``len(ops)`` entries
+    (NaN or Inf values must give non-finite statistics, so the finish can refuse them after the
+    combination, on every rank alike); ``ops[i]`` (``"max"`` or ``"sum"``) combines entry ``i``
+    of two sets of statistics; ``finish(stats, name)`` turns combined statistics into the fp32
+    (1,) scale, raising ValueError naming ``name`` when they are not finite.
+    """
+
+    ops: tuple[str, ...]
+    statistics: Callable[[torch.Tensor], torch.Tensor]
+    finish: Callable[[torch.Tensor, str], torch.Tensor]
+
+    def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Two sets of statistics combined by :attr:`ops` (what batches in an observer need)."""
+        return torch.stack([torch.maximum(x, y) if op == "max" else x + y for x, y, op in zip(a, b, self.ops)])
+
+
+def _nonfinite_error(name: str) -> ValueError:
+    return ValueError(f"{name} contains NaN or Inf values; a per-tensor HiF8 scale needs finite values")
+
+
+def _amax_statistics(flat: torch.Tensor) -> torch.Tensor:
+    if flat.numel() == 0:
+        return torch.zeros(1, dtype=torch.float64, device=flat.device)
+    amax = flat.abs().amax()
+    # NaN through a MAX all_reduce is backend-defined: make any non-finite value +inf first.
+    return torch.where(torch.isfinite(amax), amax, math.inf).double().reshape(1)
+
+
+def _amax_finish(stats: torch.Tensor, name: str = "x") -> torch.Tensor:
+    amax = stats[0]
+    if not bool(torch.isfinite(amax)):
+        raise _nonfinite_error(name)
+    if amax == 0:
+        return torch.ones(1, dtype=torch.float32, device=stats.device)
+    return (amax / fmt.MAX).float().reshape(1)  # a power-of-two division: exact, as amax_scale's
+
+
+def _rms_statistics(flat: torch.Tensor) -> torch.Tensor:
+    # The squared float64 norm (as _rms_exponent takes it: no float64 copy of the tensor); the
+    # count is exact in float64 below 2^53 elements.
+    sumsq = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
+    return torch.stack([sumsq, sumsq.new_tensor(float(flat.numel()))])
+
+
+def _rms_finish(stats: torch.Tensor, name: str = "x") -> torch.Tensor:
+    sumsq, count = stats[0], stats[1]
+    if not bool(torch.isfinite(sumsq)):
+        raise _nonfinite_error(name)
+    if sumsq == 0:  # a float64 square of a nonzero fp32 value is never 0: all values are 0
+        return torch.ones(1, dtype=torch.float32, device=stats.device)
+    return _pow2(torch.round(torch.log2(torch.sqrt(sumsq / count))).float())
+
+
+AMAX_REDUCTION = Reduction(("max",), _amax_statistics, _amax_finish)
+RMS_REDUCTION = Reduction(("sum", "sum"), _rms_statistics, _rms_finish)
+
 #: name -> rule. Add your own with :func:`register_rule`.
 RULES: dict[str, Rule] = {"amax": amax_scale, "rms": rms_scale, "mse": mse_scale}
+#: rule -> its reducible form, for the rules that have one (keyed by the function itself).
+_REDUCTIONS: dict[Rule, Reduction] = {amax_scale: AMAX_REDUCTION, rms_scale: RMS_REDUCTION}
 
 
-def register_rule(name: str, rule: Rule, *, overwrite: bool = False) -> None:
-    """Make ``rule`` (float tensor -> fp32 (1,) scale) selectable as ``calibration=name``."""
+def reduction_of(rule: Rule) -> Optional[Reduction]:
+    """``rule``'s reducible form, or None when it has none (then shards must be gathered)."""
+    return _REDUCTIONS.get(rule)
+
+
+def register_rule(name: str, rule: Rule, *, overwrite: bool = False, reduction: Optional[Reduction] = None) -> None:
+    """Make ``rule`` (float tensor -> fp32 (1,) scale) selectable as ``calibration=name``.
+
+    ``reduction``: optionally its reducible form (:class:`Reduction`), which must give the
+    rule's scale from the statistics of the whole tensor; without one, tensor-parallel calls
+    gather the whole tensor for this rule and observers keep a subsample.
+    """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     if not callable(rule):
         raise TypeError(f"rule must be callable (tensor -> fp32 scale of shape (1,)), got {type(rule).__name__}")
+    if reduction is not None and not isinstance(reduction, Reduction):
+        raise TypeError(f"reduction must be a qfa.attention.calibration.Reduction or None, got {type(reduction).__name__}")
+    if reduction is not None and any(op not in distributed.REDUCE_OPS for op in reduction.ops):
+        raise ValueError(f"reduction.ops must each be one of {distributed.REDUCE_OPS}, got {reduction.ops!r}")
     if name in RULES and not overwrite:
         raise ValueError(f"calibration rule {name!r} already exists; pass overwrite=True to replace it")
     RULES[name] = rule
+    if reduction is not None:
+        _REDUCTIONS[rule] = reduction
 
 
 def get_rule(calibration: RuleLike | None) -> Rule:
@@ -188,6 +286,27 @@ def compute_scale(x: torch.Tensor, calibration: RuleLike | None = None) -> torch
     rule = get_rule(calibration)
     scale = rule(x)
     return check_scale(scale, "scale returned by the calibration rule")
+
+
+def sharded_scale(rule: Rule, part: torch.Tensor, name: str, process_group,
+                  whole: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The scale ``rule`` gives the tensor whose head shards the ranks of ``process_group`` hold.
+
+    ``part`` is this rank's shard (its valid values); ``whole()`` gathers the whole tensor's
+    valid values (a collective, so every rank calls it or none). A rule with a reducible form
+    all-reduces its statistics (exact for ``"amax"``; ``"rms"`` up to a tie, see the module
+    doc); any other rule runs on ``whole()``: exact, at the cost of the gather. NaN or Inf on
+    any rank is a ValueError on every rank (found after the collective, so none is left
+    waiting in it).
+    """
+    reduction = reduction_of(rule)
+    if reduction is not None:
+        stats = distributed.all_reduce_statistics(reduction.statistics(_as_float(part, name)), reduction.ops,
+                                                  process_group)
+        return check_scale(reduction.finish(stats, name), f"{name} scale from calibration rule")
+    full = whole()
+    check_finite(full, name)
+    return check_scale(rule(full), f"{name} scale from calibration rule")
 
 
 def check_scale(scale, name: str = "scale", device: torch.device | None = None) -> torch.Tensor:
@@ -231,15 +350,28 @@ def dequantize(codes: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -
 class ScaleObserver:
     """Gathers one tensor's statistics over sample batches; :meth:`scale` applies a rule to them.
 
-    It keeps copies, never views of the observed tensors (the caller may reuse its buffers):
-    the exact absolute maximum and a deterministic, bounded subsample (an odd stride
-    through each observed batch, at most ``per_batch`` values; the pool is thinned by half when
-    it exceeds ``max_pool``). The rule then sees the pool plus the extreme value, so ``"amax"``
-    is exact and ``"rms"`` / ``"mse"`` are estimated from an unbiased sample of all batches.
+    For a rule with a reducible form (``"amax"``, ``"rms"``; :class:`Reduction`) it keeps that
+    form's exact statistics, combined over the batches: the frozen scale is the rule's scale of
+    all observed values together (for ``"rms"`` up to a rounding tie, see the module doc).
+    For other rules it keeps copies, never views of the observed tensors (the caller may reuse
+    its buffers): the exact absolute maximum and a deterministic, bounded subsample (an odd
+    stride through each observed batch, at most ``per_batch`` values; the pool is thinned by
+    half when it exceeds ``max_pool``), and the rule sees the pool plus the extreme value.
+
+    ``process_group``: the tensor-parallel group whose ranks observe the head shards of the
+    same tensors. :meth:`scale` then combines the ranks' statistics (all_reduce; every rank must
+    call it): for reducible rules the scale is then the unsharded observer's (bit for bit for
+    ``"amax"``, up to a tie for ``"rms"``). For pool-based rules the ranks' pools (each with its
+    extreme value) are gathered in rank order and the rule runs on their concatenation: a
+    sample of all shards, but not the unsharded observer's sample, so the scale can differ
+    from the unsharded one.
     """
 
-    def __init__(self, calibration: RuleLike | None = None, *, per_batch: int = 1 << 15, max_pool: int = 1 << 18):
+    def __init__(self, calibration: RuleLike | None = None, *, per_batch: int = 1 << 15, max_pool: int = 1 << 18,
+                 process_group=None):
         self.rule = get_rule(calibration)
+        self.reduction = reduction_of(self.rule)
+        self.process_group = distributed.check_process_group(process_group)
         self.per_batch = int(per_batch)
         self.max_pool = int(max_pool)
         self.reset()
@@ -248,6 +380,7 @@ class ScaleObserver:
         self._pool: list[torch.Tensor] = []
         self._pooled = 0
         self._extreme: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None
         self.batches = 0
 
     def observe(self, x: torch.Tensor, name: str = "x") -> None:
@@ -255,6 +388,11 @@ class ScaleObserver:
         if flat.numel() == 0:
             return
         amax = _amax(flat, name)
+        self.batches += 1
+        if self.reduction is not None:  # fresh tensors: nothing aliases the caller's buffer
+            stats = self.reduction.statistics(flat)
+            self._stats = stats if self._stats is None else self.reduction.merge(self._stats, stats)
+            return
         # Copies, never views: ``flat`` may alias the caller's tensor (a data loader refills one
         # buffer), and a view would see the next batch's values instead of this one's.
         if self._extreme is None or amax > self._extreme.abs()[0]:
@@ -265,10 +403,17 @@ class ScaleObserver:
         if self._pooled > self.max_pool:
             merged = torch.cat(self._pool)[::2]
             self._pool, self._pooled = [merged], merged.numel()
-        self.batches += 1
 
     def scale(self) -> torch.Tensor:
-        if self._extreme is None:
+        if self.batches == 0:
             raise ValueError("no (non-empty) batch was observed: nothing to calibrate from")
+        name = "scale returned by the calibration rule"
+        if self.reduction is not None:
+            stats = self._stats
+            if self.process_group is not None:
+                stats = distributed.all_reduce_statistics(stats, self.reduction.ops, self.process_group)
+            return check_scale(self.reduction.finish(stats, "observed values"), name)
         values = torch.cat([*self._pool, self._extreme])
-        return check_scale(self.rule(values), "scale returned by the calibration rule")
+        if self.process_group is not None:
+            values = distributed.gather_flat(values, self.process_group)
+        return check_scale(self.rule(values), name)

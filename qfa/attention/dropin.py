@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from qfa.attention import calibration as cal
-from qfa.attention import dropin_eager, dropin_inputs
+from qfa.attention import distributed, dropin_eager, dropin_inputs
 from qfa.attention import dropin_op  # noqa: F401  (registers torch.ops.qfa.hif8_attention)
 from qfa.attention.dropin_call import DropinCall as _D
 from qfa.attention.op import Metadata
@@ -50,7 +50,7 @@ def hif8_attention(
     calibration: cal.RuleLike | None = _D.calibration, smooth_k: bool = _D.smooth_k,
     p_scale: Union[float, torch.Tensor, None] = None, scales: Optional[Sequence] = None,
     return_softmax_lse: bool = _D.return_softmax_lse, backend: Optional[str] = _D.backend,
-    rotate: bool = _D.rotate, metadata: Optional[Metadata] = None, **deprecated,
+    rotate: bool = _D.rotate, metadata: Optional[Metadata] = None, process_group=None, **deprecated,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention on fp16/bf16/fp32 tensors through HiF8 per-tensor quantisation (quant_mode 0).
 
@@ -107,6 +107,21 @@ def hif8_attention(
             it was planned with). Plan once, run many: the transformers adapter plans once per
             forward pass and passes it to every layer. Not used under ``torch.compile`` (the
             custom op plans itself; the result is the same).
+        process_group: tensor parallel (see :mod:`qfa.attention.distributed`): a
+            ``torch.distributed.ProcessGroup`` whose ranks each hold a contiguous range of the
+            q heads and the matching k/v heads (GQA kept, the same sequence lengths on every
+            rank), shards in rank order. The scales that are computed are then those of the
+            whole tensors, so each rank's output (and LSE) is bit for bit the matching heads of
+            the unsharded call: exactly for ``"amax"`` and for rules without a reducible form
+            (``"mse"``, user rules: the shards are all-gathered along the head axis, which costs
+            moving q, k and v; every rank's shard must then have the same shape), and for
+            ``"rms"`` (an all_reduce of the float64 sum of squares and count) except when
+            log2(rms) ties a half-integer to within float64 rounding. K means and the rotation
+            are per head: nothing else is reduced. Every rank must make the call (it runs
+            collectives). Static scales need no reduction: with all three given the group is
+            not used. Not under ``torch.compile`` (a group cannot cross the custom op): a
+            TypeError there unless all three scales are static. None (default): this rank's
+            tensors are the whole tensors.
 
     Returns:
         ``out`` in ``q``'s layout, shape and dtype, or ``(out, lse)`` with ``return_softmax_lse``.
@@ -125,7 +140,10 @@ def hif8_attention(
     for flag, name in ((is_causal, "is_causal"), (smooth_k, "smooth_k"), (rotate, "rotate"),
                        (return_softmax_lse, "return_softmax_lse")):
         check_bool(flag, name)
+    process_group = distributed.check_process_group(process_group)
     q_scale, k_scale, v_scale = dropin_inputs.static_scales(scales, q.device)
+    if q_scale is not None and k_scale is not None and v_scale is not None:
+        process_group = None  # nothing is measured, so nothing is reduced
     call = dict(
         q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         p_scale=dropin_inputs.p_scale_tensor(p_scale, q.device), cu_seqlens_q=cu_seqlens_q,
@@ -140,7 +158,13 @@ def hif8_attention(
                 "calibration must be a registered rule name under torch.compile (a callable cannot cross the "
                 "custom op); register it with qfa.attention.calibration.register_rule(name, fn)"
             )
+        if process_group is not None:
+            raise TypeError(
+                "process_group is not supported under torch.compile (a process group cannot cross the custom op "
+                "torch.ops.qfa.hif8_attention): call hif8_attention eagerly, or pass static scales=(q, k, v) "
+                "(e.g. a frozen HiF8Attention), which need no reduction"
+            )
         out, lse = torch.ops.qfa.hif8_attention(**call)
     else:
-        out, lse = dropin_eager.run(_D(**call), metadata=metadata)
+        out, lse = dropin_eager.run(_D(**call), metadata=metadata, process_group=process_group)
     return (out, lse) if return_softmax_lse else out

@@ -11,28 +11,39 @@ from __future__ import annotations
 import torch
 
 from qfa.attention import calibration as cal
-from qfa.attention import rotation
+from qfa.attention import distributed, rotation
 from qfa.attention.dropin_call import DropinCall
 from qfa.attention.dropin_inputs import check_length_values
 from qfa.attention.op import Metadata, quant_flash_attn
-from qfa.attention.smoothing import lse_shift, prepare, valid_parts
+from qfa.attention.smoothing import lse_shift, prepare, valid_parts, valid_values
 from qfa.tiling.attention import lse_shape
 from qfa.tiling.spec import MaskMode, QuantMode, default_softmax_scale
 
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
 
 
-def _scales(c: DropinCall, tensors) -> list[torch.Tensor]:
-    """The given static scales (checked), the others from the calibration rule on valid values."""
+def _scales(c: DropinCall, tensors, process_group=None) -> list[torch.Tensor]:
+    """The given static scales (checked), the others from the calibration rule on valid values
+    (with ``process_group``: on the valid values of the whole tensor whose head shards the
+    group's ranks hold, see :func:`qfa.attention.calibration.sharded_scale`)."""
     rule = cal.get_rule(c.calibration)
     parts = valid_parts(tensors, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
+    lengths = ((c.seqused_q, c.cu_seqlens_q), (c.seqused_kv, c.cu_seqlens_kv), (c.seqused_kv, c.cu_seqlens_kv))
     out = []
-    for part, t, s, name in zip(parts, tensors, (c.q_scale, c.k_scale, c.v_scale), ("q", "k", "v")):
-        if s is None:
+    for part, t, s, name, (used, cu) in zip(parts, tensors, (c.q_scale, c.k_scale, c.v_scale), ("q", "k", "v"),
+                                            lengths):
+        if s is not None:
+            out.append(cal.check_scale(s, f"{name}_scale", t.device))
+        elif process_group is None:
             cal.check_finite(part, name)  # before the rule, so the message names the tensor
             out.append(cal.check_scale(rule(part), f"{name} scale from calibration rule"))
         else:
-            out.append(cal.check_scale(s, f"{name}_scale", t.device))
+            # The lengths are per sequence, shared by all heads: the gathered tensor's valid
+            # values are selected as an unsharded call selects them.
+            def whole(t=t, used=used, cu=cu):
+                return valid_values(distributed.gather_heads(t, distributed.head_axis(c.layout), process_group),
+                                    c.layout, used, cu)
+            out.append(cal.sharded_scale(rule, part, name, process_group, whole))
     return out
 
 
@@ -61,8 +72,12 @@ def saturating_cast(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
-def run(c: DropinCall, metadata: Metadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run(c: DropinCall, metadata: Metadata | None = None, process_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one call; ``lse`` is an empty fp32 (0,) tensor unless requested.
+
+    ``process_group``: a checked tensor-parallel group whose ranks hold contiguous head shards
+    of the call (None: the call is the whole tensor); the computed scales are then the whole
+    tensor's. Eager only (a group cannot cross the custom op).
 
     ``metadata``: a plan of the op for the call's (quantised) tensors and length tensors, as
     :func:`qfa.quant_flash_attn_metadata` makes it; the length values are then not read again
@@ -79,7 +94,7 @@ def run(c: DropinCall, metadata: Metadata | None = None) -> tuple[torch.Tensor, 
         check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
     tensors, mu = prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv, seqused_kv=c.seqused_kv,
                           smooth_k=c.smooth_k, rotate=c.rotate)
-    scales = _scales(c, tensors)
+    scales = _scales(c, tensors, process_group)
     codes = [cal.quantize(t, s) for t, s in zip(tensors, scales)]
     del tensors
     softmax_scale = default_softmax_scale(c.q.shape[-1]) if c.softmax_scale is None else c.softmax_scale

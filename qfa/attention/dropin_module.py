@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from qfa.attention import calibration as cal
-from qfa.attention import dropin_inputs
+from qfa.attention import distributed, dropin_inputs
 from qfa.attention.dropin import hif8_attention, take_deprecated
 from qfa.attention.dropin_call import DropinCall as _D
 from qfa.attention.smoothing import prepare, valid_parts
@@ -49,14 +49,28 @@ class HiF8Attention(nn.Module):
     ``v_scale * p_scale <= FLT_MAX / (1.25 * 32768 * Skv)``, ``p_scale`` in [2^-15, 2^15]. ``HiF8Attention(static=True)`` demands scales: calling it before
     they are frozen, set or loaded raises ``ValueError``. ``scale=`` is a deprecated alias of
     ``softmax_scale=``.
+
+    ``process_group`` (tensor parallel, see :mod:`qfa.attention.distributed`): this rank holds a
+    contiguous range of the heads, and the group's ranks together hold all of them. Dynamic
+    scales are then the whole tensors' (as :func:`hif8_attention`'s ``process_group``), and
+    calibration reduces at :meth:`freeze` (every rank must freeze; the context manager does):
+    for ``"amax"`` and ``"rms"`` the observers keep their rule's exact statistics (absolute
+    maximum; float64 sum of squares and count), all-reduced over the group, so the frozen
+    scales equal those of the unsharded module fed the same batches (bit for bit for
+    ``"amax"``, and for ``"rms"`` except at a tie of log2(rms) with a half-integer). For
+    pool-based rules (``"mse"``, user rules) the ranks' subsample pools are gathered in rank
+    order and the rule runs on them: a sample of every shard, but the frozen scale then need
+    not equal the unsharded module's. A frozen module runs no collective. The group is not part
+    of the ``state_dict``.
     """
 
     def __init__(self, *, is_causal: bool = _D.is_causal, softmax_scale: Optional[float] = _D.softmax_scale,
                  layout: str = _D.layout, calibration: cal.RuleLike | None = _D.calibration,
                  smooth_k: bool = _D.smooth_k, p_scale: Union[float, torch.Tensor, None] = None,
                  backend: Optional[str] = _D.backend, static: bool = False, rotate: bool = _D.rotate,
-                 scales: Optional[Sequence] = None, **deprecated):
+                 scales: Optional[Sequence] = None, process_group=None, **deprecated):
         super().__init__()
+        self.process_group = distributed.check_process_group(process_group)
         if deprecated:
             softmax_scale = take_deprecated(deprecated, {"softmax_scale": softmax_scale}, "HiF8Attention")["softmax_scale"]
         if layout not in LAYOUTS:
@@ -95,7 +109,8 @@ class HiF8Attention(nn.Module):
 
     def start_calibration(self) -> None:
         """Begin (or restart) recording batches for :meth:`freeze`."""
-        self._observers = tuple(cal.ScaleObserver(self.calibration) for _ in range(3))
+        self._observers = tuple(cal.ScaleObserver(self.calibration, process_group=self.process_group)
+                                for _ in range(3))
 
     def observe(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None) -> None:
         """Record one batch's statistics (what would be quantised) without computing attention."""
@@ -179,7 +194,7 @@ class HiF8Attention(nn.Module):
             layout=self.layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
             seqused_kv=seqused_kv, calibration=self.calibration, smooth_k=self.smooth_k, p_scale=self.p_scale,
             scales=scales, return_softmax_lse=return_softmax_lse, backend=self.backend, rotate=self.rotate,
-            metadata=metadata,
+            metadata=metadata, process_group=self.process_group,
         )
 
 
