@@ -6,12 +6,10 @@ that register ops import each other one way only, and hif8_attention / HiF8Atten
 
 Compiling is slow on a 2-core CPU, so there are only three compiled functions and small shapes."""
 
-import ast
 import dataclasses
 import functools
 import inspect
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -115,34 +113,6 @@ def test_the_op_with_defaults_equals_the_public_function():
     q, k, v = _qkv(s=9, dtype=torch.bfloat16)
     out, lse = torch.ops.qfa.hif8_attention(q, k, v)
     assert torch.equal(out, _hif8_attention(q, k, v)) and lse.shape == (0,)
-
-
-# ----------------------------------------------------------------------------- import direction
-
-QFA = Path(__file__).resolve().parents[1] / "qfa"
-
-
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
-
-
-def test_op_registration_modules_import_one_way():
-    """No cycle between the modules that register ops and the drop-in: qfa.attention.custom_ops
-    (the op's) and qfa.cast.custom_ops (the cast's) import nothing of the drop-in, and no drop-in
-    module imports either of them."""
-    dropin = sorted((QFA / "attention").glob("dropin*.py")) + [QFA / "attention" / "smoothing.py"]
-    assert len(dropin) >= 6
-    for registrar in (QFA / "attention" / "custom_ops.py", QFA / "cast" / "custom_ops.py"):
-        assert not any("dropin" in name or "smoothing" in name for name in _imports(registrar)), registrar
-    for path in dropin:
-        assert not any(name.endswith("custom_ops") for name in _imports(path)), path
 
 
 def test_cast_ops_live_in_qfa_cast():

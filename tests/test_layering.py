@@ -43,3 +43,15 @@ def test_the_library_does_not_import_the_tools():
             continue
         bad = {m for m in imports_of(path) if m.startswith("qfa.tools")}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_op_registration_modules_import_one_way():
+    """No cycle between the modules that register ops and the drop-in: qfa.attention.custom_ops
+    (the op's) and qfa.cast.custom_ops (the cast's) import nothing of the drop-in, and no drop-in
+    module imports either of them."""
+    dropin = sorted((ROOT / "qfa" / "attention").glob("dropin*.py")) + [ROOT / "qfa" / "attention" / "smoothing.py"]
+    assert len(dropin) >= 6
+    for registrar in (ROOT / "qfa" / "attention" / "custom_ops.py", ROOT / "qfa" / "cast" / "custom_ops.py"):
+        assert not any("dropin" in name or "smoothing" in name for name in imports_of(registrar)), registrar
+    for path in dropin:
+        assert not any(name.endswith("custom_ops") for name in imports_of(path)), path

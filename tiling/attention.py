@@ -598,7 +598,8 @@ def paged_strides(t: torch.Tensor, layout_kv: str) -> tuple[int, int, int, int]:
 
 def _check_paged(meta: AttentionMetadata, q, k, v, block_table, qs: dict, batch: int) -> tuple[dict, int]:
     """Shapes of paged k/v and of the block table; returns k's sizes and the table width."""
-    ks, vs = _paged_shape(k, "k", meta.layout_kv), _paged_shape(v, "v", meta.layout_kv)
+    ks = _paged_shape(k, "k", meta.layout_kv)
+    _paged_shape(v, "v", meta.layout_kv)
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     for shape, name in ((qs, "q"), (ks, "k")):

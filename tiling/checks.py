@@ -124,23 +124,17 @@ def check_sequence_lengths(layout: str, *, batch: int | None = None, device: tor
             raise ValueError("cu_seqlens_kv is not for paged k/v: seqused_kv gives each sequence's key count")
         if seqused_kv is None:
             raise ValueError("paged k/v (block_table) needs seqused_kv (int32, B): each sequence's key count")
-    if layout == "TND" and kv_paged:
-        if cu_seqlens_q is None:
-            raise ValueError("layout 'TND' needs cu_seqlens_q (int32, B+1, leading 0)")
+    if layout == "TND":
+        if cu_seqlens_q is None or (cu_seqlens_kv is None and not kv_paged):
+            needs = "cu_seqlens_q" if kv_paged else "cu_seqlens_q and cu_seqlens_kv"
+            raise ValueError(f"layout 'TND' needs {needs} (int32, B+1, leading 0)")
         cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")
         if cu_q.dim() != 1 or cu_q.numel() < 2:
             raise ValueError(f"cu_seqlens_q must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_q.shape)}")
         batch = cu_q.numel() - 1
         check_int32_vector(cu_q, "cu_seqlens_q", batch + 1)
-    elif layout == "TND":
-        if cu_seqlens_q is None or cu_seqlens_kv is None:
-            raise ValueError("layout 'TND' needs cu_seqlens_q and cu_seqlens_kv (int32, B+1, leading 0)")
-        cu_q = require_tensor(cu_seqlens_q, "cu_seqlens_q")
-        if cu_q.dim() != 1 or cu_q.numel() < 2:
-            raise ValueError(f"cu_seqlens_q must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_q.shape)}")
-        batch = cu_q.numel() - 1
-        check_int32_vector(cu_q, "cu_seqlens_q", batch + 1)
-        check_int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
+        if not kv_paged:
+            check_int32_vector(cu_seqlens_kv, "cu_seqlens_kv", batch + 1)
     else:
         for name in ("cu_seqlens_q", "cu_seqlens_kv"):
             if named[name] is not None:
