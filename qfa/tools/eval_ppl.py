@@ -23,6 +23,14 @@ emulation of the same attention, with the same K smoothing, so the comparison is
 number format). Options can be attached to a name, e.g. ``qfa_hif8:calibration=amax`` or
 ``qfa_hif8:smooth_k=false:p_scale=8`` (options of :func:`qfa.hif8_attention`) or
 ``fp8_e4m3:smooth_k=false`` (its only option); each such spec is its own row.
+
+``--decode-from N`` measures what serving computes: each implementation prefills the first N
+tokens into a KV cache, then feeds every later token in its own forward pass through the cache;
+the same N - 1 predictions are scored (the prefill's and the decode steps'). ``qfa_hif8`` runs
+on a :class:`qfa.serving.HiF8Cache` (``--cache hif8``, the default: scales and key mean fixed by
+the prefill, codes read in place; the elements it saturated are printed below the table) or on a
+DynamicCache (``--cache dynamic``: the drop-in re-quantises the whole cache per call); every
+other implementation on a DynamicCache in the model's dtype.
 """
 
 from __future__ import annotations
@@ -73,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn K smoothing off for qfa_hif8 and fp8_e4m3 (on by default for both)")
     parser.add_argument("--fallback", default=None, choices=["sdpa"],
                         help="run layers qfa_hif8 cannot (head_dim != 128, sliding windows) with sdpa")
+    parser.add_argument("--decode-from", type=int, default=None, metavar="N",
+                        help="serving path: the first N tokens as one prefill into a KV cache, then every later "
+                             "token one forward pass at a time through the cache (not with --window)")
+    parser.add_argument("--cache", default="hif8", choices=CACHES,
+                        help="with --decode-from, qfa_hif8's cache: hif8 (HiF8Cache, codes read in place; default) "
+                             "or dynamic (a DynamicCache re-quantised on every call); others use a DynamicCache")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--output", default=None, help="also write the markdown table to this file")
 
@@ -177,6 +191,7 @@ class Stats:
     kl: float = 0.0
     seconds: float = 0.0
     token_nll: list = field(default_factory=list)  # per scored token, fp64 tensors
+    saturated: tuple[int, int] | None = None  # a HiF8Cache's (clamped, encoded) K and V elements
 
     @property
     def ppl(self) -> float:
@@ -257,19 +272,53 @@ def _accumulate(stats: Stats, logits, targets, ref_logp_chunks):
     return chunks
 
 
+def decode_logits(model, ids, decode_from: int, cache, on_forward=None):
+    """The serving path's next-token logits for ``ids`` (int64 (n,)): the first ``decode_from``
+    tokens as one prefill into ``cache``, then tokens decode_from..n-2 one forward pass each,
+    through the cache. Row i predicts token i + 1, as a full forward's logits do: (n - 1, V)."""
+    import torch
+
+    n = ids.numel()
+    if not 1 <= decode_from < n:
+        raise ValueError(f"--decode-from must be in [1, tokens - 1 = {n - 1}], got {decode_from}")
+    rows = []
+    with torch.inference_mode():
+        rows.append(model(input_ids=ids[None, :decode_from], cache=cache, use_cache=True).logits[0])
+        if on_forward is not None:
+            on_forward()
+        for t in range(decode_from, n - 1):
+            rows.append(model(input_ids=ids[None, t:t + 1], cache=cache, use_cache=True).logits[0])
+            if on_forward is not None:
+                on_forward()
+    return torch.cat(rows)
+
+
 def evaluate(model, tokenizer, texts: dict[str, str], token_counts: list[int], attn_names: list[str], *,
              model_label: str = "model", window: int | None = None, stride: int | None = None,
-             progress: bool = True) -> list[Row]:
+             decode_from: int | None = None, new_cache=None, progress: bool = True) -> list[Row]:
     """Score each text's first N tokens (each N in ``token_counts``) with each attention name.
 
     ``texts`` maps a label to the text. The model's attention is switched with
     ``set_attn_implementation`` (the names must be registered). Returns one :class:`Row` per
     (text, N, implementation); the first implementation is the reference for agreement and KL.
+
+    With ``decode_from``, each implementation scores the same N - 1 predictions through a KV
+    cache instead (:func:`decode_logits`): ``new_cache(j)`` makes implementation j's cache
+    (default: a DynamicCache for every one). Not combined with ``window``.
     """
     import torch
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
+    if decode_from is not None:
+        if window is not None or stride is not None:
+            raise ValueError("--decode-from scores every token through the cache: it takes no --window / --stride")
+        if decode_from < 1:
+            raise ValueError(f"--decode-from must be at least 1, got {decode_from}")
+        if new_cache is None:
+            from transformers import DynamicCache
+
+            new_cache = lambda j: DynamicCache(config=model.config)  # noqa: E731
     jobs = []
     for label, text in texts.items():
         ids = tokenizer(text, return_tensors="pt").input_ids[0]
@@ -278,8 +327,12 @@ def evaluate(model, tokenizer, texts: dict[str, str], token_counts: list[int], a
                 raise ValueError(f"--tokens must be at least 2, got {n}")
             if ids.numel() < n:
                 raise ValueError(f"text {label!r} has only {ids.numel()} tokens, fewer than the {n} asked for")
+            if decode_from is not None and decode_from >= n:
+                raise ValueError(f"--decode-from must be below every --tokens value, got {decode_from} >= {n}")
             jobs.append((label, n, ids[:n], windows(n, window or n, stride)))
-    total = sum(len(wins) for *_, wins in jobs) * len(attn_names)
+    # forward passes: one per window, or with decode_from a prefill and n - 1 - decode_from steps
+    per_job = lambda n, wins: len(wins) if decode_from is None else n - decode_from  # noqa: E731
+    total = sum(per_job(n, wins) for _, n, _, wins in jobs) * len(attn_names)
     rows: list[Row] = []
     bar = tqdm(total=total, desc="eval-ppl", unit="fwd", disable=not progress, file=sys.stderr)
     try:
@@ -293,23 +346,47 @@ def evaluate(model, tokenizer, texts: dict[str, str], token_counts: list[int], a
                     bar.set_postfix_str(f"{label} N={n} {name}")
                     model.set_attn_implementation(name)
                     t0 = time.perf_counter()
-                    with torch.inference_mode():
-                        out = model(input_ids=inp, use_cache=False).logits[0]
+                    if decode_from is None:
+                        with torch.inference_mode():
+                            out = model(input_ids=inp, use_cache=False).logits[0]
+                        bar.update(1)
+                    else:  # one window (0, n, 1): the same n - 1 predictions, through the cache
+                        cache = new_cache(j)
+                        out = decode_logits(model, inp[0], decode_from, cache, on_forward=lambda: bar.update(1))
+                        if isinstance(getattr(cache, "saturated", None), list):  # a HiF8Cache
+                            stats[j].saturated = (sum(cache.saturated), _encoded_elements(cache))
+                        del cache
                     stats[j].seconds += time.perf_counter() - t0
                     pred = out[first - begin - 1:end - begin - 1]
                     chunks = _accumulate(stats[j], pred, targets, ref_chunks)
                     if j == 0:
                         ref_chunks = chunks
                     del out, pred
-                    bar.update(1)
                 del ref_chunks
             ref_ppl = stats[0].ppl
             for name, s in zip(attn_names, stats):
+                extra = {} if s.saturated is None else {"saturated": s.saturated}
                 rows.append(Row(model_label, label, n, name, s.ppl, ref_ppl, s.agree / s.count, s.kl / s.count,
-                                s.seconds, delta_se=s.paired_delta(stats[0])[1]))
+                                s.seconds, delta_se=s.paired_delta(stats[0])[1], extra=extra))
     finally:
         bar.close()
     return rows
+
+
+def _encoded_elements(cache) -> int:
+    """K and V elements a HiF8Cache has encoded (stored tokens x kv heads x head size, both)."""
+    return sum(2 * int(layer.lengths.sum()) * layer.keys.shape[1] * layer.keys.shape[3]
+               for layer in cache.layers if layer.is_initialized)
+
+
+def format_saturation(rows: list[Row]) -> str:
+    """One line per row that ran on a HiF8Cache: elements clamped by the frozen scales."""
+    lines = []
+    for r in rows:
+        if "saturated" in r.extra:
+            clamped, total = r.extra["saturated"]
+            lines.append(f"saturated in the HiF8Cache: {r.text} N={r.tokens} {r.attn}: {clamped} of {total} K/V elements")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[Row]) -> str:
@@ -344,17 +421,28 @@ def run(args: argparse.Namespace) -> int:
     names = [name for name, _, _ in specs]
     print(f"loading {label} ({args.dtype}) ...", file=sys.stderr)
     model, tokenizer = load_model(folder, gguf, getattr(torch, DTYPES[args.dtype]), names[0], args.device)
+    caches = lambda j: make_cache(specs[j][1], specs[j][2], args.cache, model.config,  # noqa: E731
+                                  calibration=args.calibration, smooth_k=not args.no_smooth_k)
     try:
         rows = evaluate(model, tokenizer, texts, counts, names, model_label=label, window=args.window,
-                        stride=args.stride)
+                        stride=args.stride, decode_from=args.decode_from, new_cache=caches)
     except ValueError as exc:
         print(f"qfa eval-ppl: error: {exc}", file=sys.stderr)
         return 2
     table = format_table(rows)
     print(table)
+    if args.decode_from is None:
+        how = f"window {args.window or 'N'}, stride {args.stride or 'window - 1'}"
+    else:
+        how = (f"serving path: prefill of {args.decode_from} tokens into a KV cache (qfa_hif8: "
+               f"{'HiF8Cache' if args.cache == 'hif8' else 'DynamicCache'}; others: DynamicCache), then one token "
+               f"per forward pass")
     print(f"\nreference: {names[0]}; ppl over N - 1 predictions of the first N tokens; KL(reference || row); "
           "s.e.: paired standard error over tokens of log(ppl / reference ppl); "
-          f"window {args.window or 'N'}, stride {args.stride or 'window - 1'}; dtype {args.dtype}")
+          f"{how}; dtype {args.dtype}")
+    saturation = format_saturation(rows)
+    if saturation:
+        print(saturation)
     if args.output:
         Path(args.output).write_text(table + "\n")
     return 0
