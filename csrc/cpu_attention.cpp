@@ -373,7 +373,9 @@ inline int16_t bf16_half_away(float x) {
 }
 
 // Out and lse of the item's rows from the final (m, l, O): O / l as bf16 (ties away) and
-// m + ln l; rows that saw no key (l == 0) get 0 and +inf, a NaN row stays NaN.
+// m + ln l. Whether a row sees a key is structural (lengths, causal edge), never read from l:
+// rows that see none get 0 and +inf; a row whose visible scores are all -inf has l = 0 and
+// gets 0 / 0 = NaN (lse -inf), as the exact softmax and the torch path do.
 void finish(const Call& c, const Item& it, const float* m, const float* l, const float* o, float* logl) {
   const int64_t G = c.group, D = c.dim;
   const int64_t R = (it.t1 - it.t0) * G;
@@ -385,7 +387,7 @@ void finish(const Call& c, const Item& it, const float* m, const float* l, const
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = it.t0 + r / G, n = it.h * G + r % G;
     const int64_t at = it.b * c.so[0] + n * c.so[1] + (qs + i) * c.so[2];
-    const bool seen = l[r] != 0.f;  // NaN compares unequal: a NaN row stays NaN
+    const bool seen = c.kv_lens[it.b] > 0 && (!c.causal || i + offset_of(c, it.b) >= 0);
     const float* orow = o + r * D;
     if (c.out_f32) {
       for (int64_t x = 0; x < D; ++x) c.out_f32[at + x * c.so[3]] = seen ? orow[x] / l[r] : 0.f;
@@ -399,7 +401,13 @@ void finish(const Call& c, const Item& it, const float* m, const float* l, const
 // torch enables nested OpenMP (max-active-levels), so a GEMM called inside the region would
 // open a team of its own on every call: on 2 cores, 4 spinning threads, and under load each
 // call waits for its slowest one. A worker's GEMMs run on the worker's thread alone.
-inline void single_threaded_blas() { omp_set_num_threads(1); }
+// Restored on exit: the calling thread runs a share of the region (or all of it, inline), and
+// its OpenMP setting is torch.get_num_threads() for the rest of the process.
+struct SingleThreadedBlas {
+  int saved = omp_get_max_threads();
+  SingleThreadedBlas() { omp_set_num_threads(1); }
+  ~SingleThreadedBlas() { omp_set_num_threads(saved); }
+};
 
 // Hands items out costliest first to whichever thread asks next; one parallel region.
 template <typename F>
@@ -408,7 +416,7 @@ void run_items(int64_t n, const F& fn) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    single_threaded_blas();
+    SingleThreadedBlas one;
     Scratch sc;
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, sc);
   });
@@ -491,7 +499,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     const int64_t nblk = static_cast<int64_t>(blocks.size()) / 3;
     if (nblk) {
       at::parallel_for(0, nblk, 1, [&](int64_t s, int64_t e) {
-        single_threaded_blas();
+        SingleThreadedBlas one;
         for (int64_t i = s; i < e; ++i) {
           const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
           const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);

@@ -267,3 +267,26 @@ def test_nan_value_past_the_causal_edge_poisons_as_in_the_torch_path(monkeypatch
     want_out, want_lse = torch_path.forward(plan, *args)
     assert torch.isnan(want_out).any() and not torch.isnan(want_out).all()
     assert torch.equal(torch.isnan(out), torch.isnan(want_out))
+
+
+@needs_kernel
+def test_thread_count_is_left_as_it_was():
+    """The workers pin their nested OpenMP teams to one thread and restore it: the calling
+    thread runs a share of the region, and its setting is torch's thread count."""
+    before = torch.get_num_threads()
+    for case in ("decode-1x4097", "gqa4-B2-257x37-causal"):
+        plan, args = make(**CASES[case])
+        cpu_kernel.forward(plan, *args)
+        assert torch.get_num_threads() == before
+
+
+@needs_kernel
+def test_lse_is_fp32_under_a_float64_default_dtype():
+    plan, args = make(**CASES["gqa4-B2-257x37-causal"])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out, lse = cpu_kernel.forward(plan, *args)
+    finally:
+        torch.set_default_dtype(old)
+    assert lse.dtype == torch.float32 and out.dtype == torch.bfloat16

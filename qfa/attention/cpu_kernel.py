@@ -148,9 +148,9 @@ def forward(
     """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor), as torch_path."""
     out = torch.zeros(q.shape, dtype=torch.bfloat16, device=q.device)
     if plan.return_lse:
-        lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), device=q.device)
+        lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), dtype=torch.float32, device=q.device)
     else:
-        lse = torch.empty(0, device=q.device)
+        lse = torch.empty(0, dtype=torch.float32, device=q.device)
     run_into(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, lse)
     return out, lse
 
