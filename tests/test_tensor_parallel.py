@@ -272,6 +272,81 @@ def test_per_head_bits_do_not_depend_on_the_head_count():
         assert torch.equal(out, _shard(full, r)) and torch.equal(lse, _shard(full_lse, r))
 
 
+# ---------------------------------------------------------------------------------------------
+# the reducible forms, in one process
+
+
+def _pieces(x: torch.Tensor, cuts) -> list[torch.Tensor]:
+    flat = x.reshape(-1).float()
+    bounds = [0, *cuts, flat.numel()]
+    return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("rule", ["amax", "rms"])
+def test_statistics_of_pieces_give_the_rule_of_the_whole(rule):
+    """Merged statistics of any split (an empty piece included) finish to the rule's scale of
+    the whole tensor: exactly for amax, and for rms off a rounding tie (checked here)."""
+    from qfa.attention import calibration as cal
+
+    g = torch.Generator().manual_seed(3)
+    fn = cal.RULES[rule]
+    red = cal.reduction_of(fn)
+    for trial in range(20):
+        x = torch.randn(3000, generator=g) * 2.0 ** (trial - 10)
+        x[int(torch.randint(3000, (1,), generator=g))] *= 50  # an outlier somewhere
+        cuts = sorted(int(c) for c in torch.randint(0, 3001, (3,), generator=g))
+        stats = [red.statistics(p) for p in _pieces(x, cuts)]
+        merged = stats[0]
+        for st in stats[1:]:
+            merged = red.merge(merged, st)
+        if rule == "rms":
+            e = math.log2(float(x.double().square().mean().sqrt()))
+            assert abs(e - math.floor(e) - 0.5) > 1e-6
+        assert torch.equal(red.finish(merged, "x"), fn(x)), (trial, cuts)
+    zeros = red.statistics(torch.zeros(10))
+    assert torch.equal(red.finish(zeros, "x"), torch.ones(1))  # as the rules: 1.0 for all zeros
+
+
+@pytest.mark.parametrize("rule", ["amax", "rms"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_survive_the_reduction_and_are_refused_after_it(rule, bad):
+    from qfa.attention import calibration as cal
+
+    red = cal.reduction_of(cal.RULES[rule])
+    x = torch.ones(8)
+    x[3] = bad
+    merged = red.merge(red.statistics(torch.ones(5)), red.statistics(x))
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        red.finish(merged, "k")
+
+
+def test_mse_has_no_reducible_form_and_a_user_rule_may_register_one():
+    from qfa.attention import calibration as cal
+
+    assert cal.reduction_of(cal.mse_scale) is None
+
+    def half_amax(x):
+        return (x.detach().abs().amax().float() / 2).reshape(1)
+
+    reduction = cal.Reduction(("max",), lambda flat: flat.abs().amax().double().reshape(1),
+                              lambda st, name: (st[0] / 2).float().reshape(1))
+    cal.register_rule("_tp_half_amax", half_amax, reduction=reduction)
+    try:
+        obs = cal.ScaleObserver("_tp_half_amax")
+        assert obs.reduction is reduction
+        batches = [torch.randn(100) * (1 + i) for i in range(3)]
+        for b in batches:
+            obs.observe(b)
+        assert torch.equal(obs.scale(), half_amax(torch.cat(batches)))
+        with pytest.raises(TypeError, match="reduction must be"):
+            cal.register_rule("_tp_bad", half_amax, reduction=("max",))
+        with pytest.raises(ValueError, match="reduction.ops"):
+            cal.register_rule("_tp_bad", half_amax, reduction=cal.Reduction(("min",), reduction.statistics,
+                                                                             reduction.finish))
+    finally:
+        del cal.RULES["_tp_half_amax"]
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -69,6 +69,9 @@ def all_reduce_statistics(stats: torch.Tensor, ops: Sequence[str], process_group
     for op in dict.fromkeys(ops):
         if op not in REDUCE_OPS:
             raise ValueError(f"a statistic's reduction must be one of {REDUCE_OPS}, got {op!r}")
+        if len(set(ops)) == 1:  # the usual case: the whole tensor at once
+            dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=process_group)
+            break
         index = torch.tensor([i for i, o in enumerate(ops) if o == op], device=out.device)
         part = out.index_select(0, index)
         dist.all_reduce(part, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=process_group)
