@@ -28,23 +28,15 @@ from functools import cached_property
 
 import torch
 
-from qfa.cast import format as fmt
-from qfa.tiling.checks import (
-    apply_seqused, check_bool, check_codes, check_device, check_scalar_fp32, check_sequence_lengths, cumulative_lengths,
-    int32_vector, require_tensor,
+from qfa.tiling.attention_checks import (  # noqa: F401  (re-exported: the plan's users ask here)
+    LAYOUTS, MAX_BATCH, PAGED_LAYOUTS, _AXES, _check_attn_mask, _check_max_seqlen, _check_paged,
+    _contiguous_strides, _paged_shape, _shape_of, check_block_table_values, check_devices, check_heads,
+    check_mask_mode, check_quant_mode, check_run_tensors, check_scale_values, check_shapes, check_softmax_scale,
+    check_unsupported, host_reads_are_free, lse_shape, normalised_strides, paged_strides, resolve_layouts,
 )
-from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
+from qfa.tiling.checks import apply_seqused, check_bool, check_sequence_lengths, cumulative_lengths, int32_vector
+from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode
 
-LAYOUTS = ("BNSD", "BSND", "TND")
-#: Paged K/V layouts (with block_table): PA_BBND (blocks, block_size, Nkv, D), PA_BNBD
-#: (blocks, Nkv, block_size, D). Their (block, position-in-block, head, dim) axes:
-PAGED_LAYOUTS = ("PA_BBND", "PA_BNBD")
-_PAGED_AXES = {"PA_BBND": {"blk": 0, "s": 1, "n": 2, "d": 3}, "PA_BNBD": {"blk": 0, "n": 1, "s": 2, "d": 3}}
-#: Paged block sizes: multiples of PAGE_MULTIPLE up to MAX_PAGE (vLLM uses 16 by default).
-PAGE_MULTIPLE = 16
-MAX_PAGE = 1024
-#: ``layout_q_descale`` of the HiF8 mode: a per-tensor scale has no layout; upstream names it so.
-Q_DESCALE_LAYOUTS = ("BSND",)
 #: Keys per softmax block: it changes the numbers (P is quantised relative to the running max).
 BLOCK_N = 256
 #: Query rows per kernel program (upstream's tile); it does not change the numbers.
@@ -56,191 +48,8 @@ BLOCK_M = 128
 #: Like BLOCK_M, it does not change the numbers.
 TORCH_TILE_SCORE_ROWS = 2048
 TORCH_TILE_MIN_POSITIONS = 512
-MASK_MODES = {MaskMode.NONE: "none", MaskMode.CAUSAL: "causal (bottom-right aligned)"}
-CAUSAL_MASK_SHAPE = (2048, 2048)
-MAX_HEADS = 256
-MAX_GROUP = 64
-MAX_BATCH = 65535
 #: Query tiles one sequence may have along the grid's second axis (CUDA's limit there).
 MAX_QUERY_TILES = 65535
-FP32_MAX = torch.finfo(torch.float32).max
-#: Valid p_scale: HiF8's normal binades, [2^-15, 2^15].
-P_SCALE_RANGE = (fmt.MIN_NORMAL, fmt.MAX)
-#: |Q . K| of two HiF8 vectors is at most D * 32768^2 = 2^37; dScale beyond this overflows.
-MAX_DSCALE = FP32_MAX / (HEAD_DIM * fmt.MAX**2)
-#: HiF8(P) <= P_OVERSHOOT * P: rounding up by half a step of the 1-mantissa-bit binades.
-P8_OVERSHOOT = 1.25
-
-# Positions of (batch, seq, head, dim) in each layout's shape; TND has no batch axis.
-_AXES = {"BNSD": {"b": 0, "n": 1, "s": 2, "d": 3}, "BSND": {"b": 0, "s": 1, "n": 2, "d": 3}, "TND": {"s": 0, "n": 1, "d": 2}}
-#: Arguments that upstream has and this mode does not support yet: (name, value meaning "unused").
-_UNSUPPORTED = {
-    "block_table": "paged KV needs layout_kv 'PA_BBND' or 'PA_BNBD' (and seqused_kv); got a contiguous layout_kv",
-    "sinks": "attention sinks are not supported (upstream rejects them too)",
-}
-
-
-# ============================================================================ small checks
-
-def check_quant_mode(quant_mode) -> QuantMode:
-    """The HiF8 per-tensor mode, from 0, ``QuantMode.HIF8_PER_TENSOR`` or the legacy 7."""
-    if isinstance(quant_mode, bool) or not isinstance(quant_mode, int):
-        raise TypeError(f"quant_mode must be an int or qfa's QuantMode, got {type(quant_mode).__name__} {quant_mode!r}")
-    if quant_mode in LEGACY_QUANT_MODES:
-        return LEGACY_QUANT_MODES[quant_mode]
-    if quant_mode != QuantMode.HIF8_PER_TENSOR:
-        known = {m.value: m.name for m in QuantMode}
-        later = f" ({known[quant_mode]}: upstream's mode, not implemented in qfa yet)" if quant_mode in known else ""
-        raise ValueError(f"quant_mode must be 0 (HiF8 per-tensor; 7 is its older number), got {quant_mode!r}{later}")
-    return QuantMode.HIF8_PER_TENSOR
-
-
-def check_mask_mode(mask_mode) -> MaskMode:
-    if isinstance(mask_mode, bool) or not isinstance(mask_mode, int):
-        raise TypeError(f"mask_mode must be an int (0 none, 3 causal), got {type(mask_mode).__name__} {mask_mode!r}")
-    if mask_mode not in MASK_MODES:
-        raise ValueError(f"mask_mode must be 0 (none) or 3 (causal) in the HiF8 mode, got {mask_mode!r}")
-    return MaskMode(mask_mode)
-
-
-def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale="BSND") -> tuple[str, str]:
-    """(layout of q and out, layout of k and v) for the HiF8 mode.
-
-    ``layout`` is shorthand for all three per-operand layouts; an operand layout left None is
-    qfa's default ``"BNSD"``. q and out share one layout; k and v have it too, or a paged one
-    (``PA_BBND`` / ``PA_BNBD``, with ``block_table``).
-    """
-    per_operand = {"layout_q": layout_q, "layout_kv": layout_kv, "layout_out": layout_out}
-    for name, value in {"layout": layout, **per_operand}.items():
-        allowed = LAYOUTS + PAGED_LAYOUTS if name == "layout_kv" else LAYOUTS
-        if value is not None and value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if layout is not None:
-        clash = {n: v for n, v in per_operand.items() if v is not None and v != layout
-                 and not (n == "layout_kv" and v in PAGED_LAYOUTS)}
-        if clash:
-            raise ValueError(f"layout={layout!r} sets layout_q, layout_kv and layout_out; it contradicts {clash}")
-        chosen, kv = layout, layout_kv if layout_kv in PAGED_LAYOUTS else layout
-    else:
-        resolved = {n: "BNSD" if v is None else v for n, v in per_operand.items()}
-        kv = resolved["layout_kv"]
-        if kv in PAGED_LAYOUTS:
-            resolved.pop("layout_kv")
-        if len(set(resolved.values())) != 1:
-            raise ValueError(f"layout_q, layout_kv and layout_out must be equal in the HiF8 mode, except for a paged "
-                             f"layout_kv (unset ones are 'BNSD'), got {resolved | {'layout_kv': kv}}")
-        chosen = resolved["layout_q"]
-        kv = chosen if kv not in PAGED_LAYOUTS else kv
-    if layout_q_descale not in Q_DESCALE_LAYOUTS:
-        raise ValueError(f"layout_q_descale must be 'BSND' in the HiF8 mode (a per-tensor descale), "
-                         f"got {layout_q_descale!r}")
-    return chosen, kv
-
-
-def check_softmax_scale(softmax_scale) -> float:
-    if softmax_scale is None:
-        return default_softmax_scale(HEAD_DIM)
-    if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
-    return float(softmax_scale)
-
-
-def _check_max_seqlen(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (-1: not given), got {type(value).__name__} {value!r}")
-    if value != -1 and value < 0:
-        raise ValueError(f"{name} must be -1 (not given) or >= 0, got {value}")
-    return value
-
-
-def check_unsupported(win_left, win_right, **tensors) -> None:
-    for name, value in tensors.items():
-        if value is not None:
-            raise ValueError(f"{name}: {_UNSUPPORTED[name]}")
-    for name, value in (("win_left", win_left), ("win_right", win_right)):
-        if value != -1:
-            raise ValueError(f"{name} must be -1: sliding windows are not supported in the HiF8 mode, got {value!r}")
-
-
-def _shape_of(t: torch.Tensor, name: str, layout: str) -> dict[str, int]:
-    axes = _AXES[layout]
-    if t.dim() != len(axes):
-        raise ValueError(f"{name} must be {len(axes)}-D for layout {layout} ({layout}), got shape {tuple(t.shape)}")
-    return {k: t.shape[i] for k, i in axes.items()}
-
-
-def lse_shape(q_shape, layout: str) -> tuple[int, ...]:
-    """Shape of the fp32 LSE for a q of ``q_shape`` in ``layout``: (B, Nq, Sq), or (Nq, Tq) for TND.
-    The one place this is known: the plan, the backends and the fake kernels all ask here."""
-    axes = _AXES[layout]
-    if layout == "TND":
-        return (q_shape[axes["n"]], q_shape[axes["s"]])
-    return (q_shape[axes["b"]], q_shape[axes["n"]], q_shape[axes["s"]])
-
-
-def normalised_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    """Element strides of ``t`` as (batch, head, position, dim); TND has batch stride 0."""
-    axes = _AXES[layout]
-    batch_stride = t.stride(axes["b"]) if "b" in axes else 0
-    return (batch_stride, t.stride(axes["n"]), t.stride(axes["s"]), t.stride(axes["d"]))
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def check_heads(nq: int, nkv: int) -> None:
-    for n, name in ((nq, "q"), (nkv, "k/v")):
-        if not 1 <= n <= MAX_HEADS:
-            raise ValueError(f"head count of {name} must be in [1, {MAX_HEADS}], got {n}")
-    if nq < nkv or nq % nkv:
-        raise ValueError(f"q heads must be a multiple of k/v heads (GQA), got Nq={nq}, Nkv={nkv}")
-    if nq // nkv > MAX_GROUP:
-        raise ValueError(f"GQA group Nq/Nkv must be <= {MAX_GROUP}, got {nq // nkv}")
-
-
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[dict, dict]:
-    """The op's static shape rules: rank per layout, D = 128, k and v alike, head counts, GQA,
-    one batch size. Shared with the drop-in, which checks float q/k/v before quantising them.
-    Returns q's and k's sizes by axis name (``b``, ``n``, ``s``, ``d``)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout), _shape_of(v, "v", layout)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    for shape, name in ((qs, "q"), (ks, "k"), (vs, "v")):
-        if shape["d"] != HEAD_DIM:
-            raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
-    check_heads(qs["n"], ks["n"])
-    if layout != "TND":
-        for shape, name in ((ks, "k"), (vs, "v")):
-            if shape["b"] != qs["b"]:
-                raise ValueError(f"batch size of {name} must equal q's ({qs['b']}), got {shape['b']}")
-    return qs, ks
-
-
-def _check_attn_mask(attn_mask, mask_mode: MaskMode) -> None:
-    if attn_mask is None:
-        return
-    if mask_mode == MaskMode.NONE:
-        raise ValueError("attn_mask must be None with mask_mode 0 (no mask)")
-    require_tensor(attn_mask, "attn_mask")
-    expected = f"int8 {list(CAUSAL_MASK_SHAPE)} (the compressed causal mask)"
-    if attn_mask.dtype != torch.int8:  # a dtype error is a TypeError, as everywhere else here
-        raise TypeError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
-    if tuple(attn_mask.shape) != CAUSAL_MASK_SHAPE:
-        raise ValueError(f"attn_mask for mask_mode 3 must be {expected}, got {attn_mask.dtype} {list(attn_mask.shape)}")
-
-
-def check_devices(device: torch.device, named: dict) -> None:
-    for name, t in named.items():
-        check_device(t, name, device)
 
 
 # ============================================================================ metadata
@@ -505,66 +314,6 @@ def _geometry_key(q, k, v, softmax_scale: float, return_lse: bool, block_table=N
             softmax_scale, return_lse, table)
 
 
-def check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale) -> None:
-    """Static checks of one call's tensors (types, dtypes, shapes of the scales): no value read."""
-    q, k, v = (require_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_codes(t, name)
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share one HiF8 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):
-        check_scalar_fp32(t, name)
-    if p_scale is not None:
-        check_scalar_fp32(p_scale, "p_scale")
-
-
-def host_reads_are_free(device: torch.device) -> bool:
-    """Whether reading a tensor's values costs no device synchronisation (CPU memory)."""
-    return device.type == "cpu"
-
-
-def check_scale_values(plan: "AttentionPlan", q_descale, k_descale, v_descale, p_scale) -> None:
-    """The scales' values against the ranges the numerics handle (one host read of 4 floats).
-
-    Outside these ranges the op would return a silent wrong answer, so they are errors:
-
-    * every descale finite and > 0 (a negative one would turn the running max into a min);
-    * dScale = softmax_scale * q_descale * k_descale <= FLT_MAX / (128 * 32768^2), so no scaled
-      score S * dScale overflows before the running max is subtracted;
-    * p_scale in [2^-15, 2^15], HiF8's normal binades (outside, P saturates or flushes to 0);
-    * v_descale * p_scale <= FLT_MAX / (1.25 * 32768 * max Skv), so the unnormalised output
-      P8 @ V * v_descale cannot overflow fp32 (HiF8(P) <= 1.25 p_scale, |V| <= 32768).
-
-    Done on CPU always, and on devices when a call plans without ready metadata.
-    """
-    if plan.device.type == "meta":
-        return
-    named = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    if p_scale is not None:
-        named["p_scale"] = p_scale
-    values = dict(zip(named, torch.cat(list(named.values())).tolist()))
-    for name in ("q_descale", "k_descale", "v_descale"):
-        if not (math.isfinite(values[name]) and values[name] > 0):
-            raise ValueError(f"{name} must be a finite value > 0, got {values[name]:g}")
-    p = values.get("p_scale", 1.0)
-    if not (math.isfinite(p) and P_SCALE_RANGE[0] <= p <= P_SCALE_RANGE[1]):
-        raise ValueError(f"p_scale must be in [2^-15, 2^15] = [{P_SCALE_RANGE[0]:g}, {P_SCALE_RANGE[1]:g}] (HiF8's "
-                         f"normal binades: P lies in (0, p_scale]), got {p:g}")
-    dscale = plan.softmax_scale * values["q_descale"] * values["k_descale"]
-    if dscale > MAX_DSCALE:
-        raise ValueError(f"softmax_scale * q_descale * k_descale must be <= {MAX_DSCALE:.3g} (beyond it the scaled "
-                         f"HiF8 scores overflow fp32), got {dscale:.3g} = {plan.softmax_scale:g} * "
-                         f"{values['q_descale']:g} * {values['k_descale']:g}")
-    if dscale == 0:
-        raise ValueError(f"softmax_scale * q_descale * k_descale underflows to 0 ({plan.softmax_scale:g} * "
-                         f"{values['q_descale']:g} * {values['k_descale']:g})")
-    max_v = FP32_MAX / (P8_OVERSHOOT * fmt.MAX * max(max(plan.kv_lens, default=1), 1) * p)
-    if values["v_descale"] > max_v:
-        raise ValueError(f"v_descale must be <= {max_v:.3g} for this call (FLT_MAX / (1.25 * 32768 * max Skv "
-                         f"{max(plan.kv_lens, default=0)} * p_scale {p:g}): beyond it P @ V * v_descale can "
-                         f"overflow fp32), got {values['v_descale']:g}")
-
-
 def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax_lse: bool = False,
          attn_mask=None, block_table=None) -> AttentionPlan:
     """``meta`` applied to tensors q, k, v (already checked by :func:`check_run_tensors`): shape
@@ -580,65 +329,6 @@ def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax
     plan = _bind(meta, q, k, v, softmax_scale, return_lse, block_table)
     with meta._lock:
         return meta._plans.setdefault(key, plan)
-
-
-def _paged_shape(t: torch.Tensor, name: str, layout_kv: str) -> dict[str, int]:
-    axes = _PAGED_AXES[layout_kv]
-    if t.dim() != 4:
-        raise ValueError(f"{name} must be 4-D for layout_kv {layout_kv} ({'(blocks, block_size, Nkv, D)' if layout_kv == 'PA_BBND' else '(blocks, Nkv, block_size, D)'}), "
-                         f"got shape {tuple(t.shape)}")
-    return {k: t.shape[i] for k, i in axes.items()}
-
-
-def paged_strides(t: torch.Tensor, layout_kv: str) -> tuple[int, int, int, int]:
-    """Element strides of paged ``t`` as (block, head, position in block, dim)."""
-    axes = _PAGED_AXES[layout_kv]
-    return (t.stride(axes["blk"]), t.stride(axes["n"]), t.stride(axes["s"]), t.stride(axes["d"]))
-
-
-def _check_paged(meta: AttentionMetadata, q, k, v, block_table, qs: dict, batch: int) -> tuple[dict, int]:
-    """Shapes of paged k/v and of the block table; returns k's sizes and the table width."""
-    ks = _paged_shape(k, "k", meta.layout_kv)
-    _paged_shape(v, "v", meta.layout_kv)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    for shape, name in ((qs, "q"), (ks, "k")):
-        if shape["d"] != HEAD_DIM:
-            raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
-    check_heads(qs["n"], ks["n"])
-    page = ks["s"]
-    if not (0 < page <= MAX_PAGE and page % PAGE_MULTIPLE == 0):
-        raise ValueError(f"block size of paged k/v must be a multiple of {PAGE_MULTIPLE} up to {MAX_PAGE}, got {page}")
-    if block_table is None:
-        raise ValueError(f"layout_kv {meta.layout_kv!r} needs block_table (int32, (B, max blocks per sequence))")
-    require_tensor(block_table, "block_table")
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must be torch.int32, got {block_table.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must have shape (B={batch}, max blocks per sequence), got "
-                         f"{tuple(block_table.shape)}")
-    width = block_table.shape[1]
-    for b, n in enumerate(meta.kv_lens):
-        if n > width * page:
-            raise ValueError(f"seqused_kv[{b}] = {n} needs {-(-n // page)} blocks of {page}, but block_table rows "
-                             f"hold {width}")
-    return ks, width
-
-
-def check_block_table_values(plan: "AttentionPlan", block_table: torch.Tensor) -> None:
-    """Every block a sequence uses is in [0, num_blocks): a host read, so done on CPU only (on a
-    device a table changes every decode step, and reading it would synchronise each call).
-    Upstream leaves bad values undefined. The table's shape against the lengths
-    (``seqused_kv`` <= blocks per row * block size) is checked everywhere, with no read."""
-    if plan.device.type == "meta":
-        return
-    rows = block_table.tolist()
-    for b, n in enumerate(plan.kv_lens):
-        used = rows[b][: -(-n // plan.block_size)]
-        bad = [(j, x) for j, x in enumerate(used) if not 0 <= x < plan.num_blocks]
-        if bad:
-            j, x = bad[0]
-            raise ValueError(f"block_table[{b}, {j}] must be a block index in [0, {plan.num_blocks}), got {x}")
 
 
 def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bool, block_table=None) -> AttentionPlan:
