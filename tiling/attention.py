@@ -1,8 +1,8 @@
 """Host tiling for QuantFlashAttn, HiF8 per-tensor (quant_mode 0; 7 is its older number).
 
-Every check of the op's spec runs here, once, before any backend: a bad argument raises a
-``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong value or shape) naming the argument,
-what was expected and what was given.
+Every check of the op's spec runs while planning, once, before any backend (the rules are in
+:mod:`qfa.tiling.attention_checks`): a bad argument raises a ``TypeError`` (wrong type or dtype)
+or ``ValueError`` (wrong value or shape) naming the argument, what was expected and what was given.
 
 Planning has two halves, as upstream's ``quant_flash_attn_metadata`` / ``quant_flash_attn`` and
 FlashInfer's plan / run split have:
