@@ -202,3 +202,85 @@ def test_resolve_model_packaged_name(fake_packaged, tmp_path, monkeypatch):
     assert models.resolve_model("fake") == (str(tmp_path / "cache"), "fake.gguf", "fake")
     with pytest.raises(ValueError, match="--gguf"):
         models.resolve_model("fake", "x.gguf")
+
+
+# ----------------------------------------------------------------------------- --decode-from (the serving path)
+
+def _full_and_decoded_logits(model, ids, decode_from):
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        full = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
+    return full, eval_ppl.decode_logits(model, ids, decode_from, DynamicCache(config=model.config))
+
+
+def test_decode_logits_are_the_full_forward_in_float64(tiny_model_dir):
+    """In float64, prefill + one-token steps through a DynamicCache give the full forward's
+    next-token logits, row for row. The two differ only in summation order: each dot product
+    (at most 1024 terms here) is off by at most gamma_1024 = 1024 * 2**-53 ~ 1.1e-13 of its
+    absolute sum, so 1e-9 of the logits' scale is orders above rounding, and far below what a
+    position or cache error moves a logit (a random model's logits change by ~1e-2 with the context)."""
+    model, tok = models.load_model(str(tiny_model_dir), None, torch.float64, "sdpa")
+    ids = tok(TEXT, return_tensors="pt").input_ids[0][:64]
+    full, decoded = _full_and_decoded_logits(model, ids, 20)
+    assert decoded.shape == full.shape == (63, model.config.vocab_size)
+    assert (decoded - full).abs().max() <= 1e-9 * full.abs().max()
+    # the same check can fail: one position off is far outside it
+    assert (decoded[1:] - full[:-1]).abs().max() > 1e-3 * full.abs().max()
+
+
+def test_decode_from_sdpa_scores_the_full_prefill_ppl(tiny_model_dir):
+    """eval-ppl's serving path for sdpa on a DynamicCache scores what the full prefill scores.
+    log_softmax is 2-Lipschitz in the max norm (|d log p_i| <= 2 max_j |d z_j|), so with the
+    two paths' fp32 logits delta apart, every token's NLL, hence log ppl, moves by at most
+    2 delta, plus the fp32 rounding of log_softmax itself (a sum of V exponentials: (V + 2) u of
+    the largest |logit|, u = 2**-24), taken twice."""
+    model, tok = models.load_model(str(tiny_model_dir), None, torch.float32, "sdpa")
+    ids = tok(TEXT, return_tensors="pt").input_ids[0]
+    n, start = 96, 32
+    full, decoded = _full_and_decoded_logits(model, ids[:n], start)
+    delta = float((full - decoded).abs().max())
+    rounding = 2 * (model.config.vocab_size + 2) * 2.0**-24 * float(full.abs().max())
+    whole = eval_ppl.evaluate(model, tok, {"t": TEXT}, [n], ["sdpa"], progress=False)
+    served = eval_ppl.evaluate(model, tok, {"t": TEXT}, [n], ["sdpa"], decode_from=start, progress=False)
+    assert abs(math.log(served[0].ppl) - math.log(whole[0].ppl)) <= 2 * delta + rounding
+    assert served[0].top1 == 1.0 and served[0].kl == 0.0 and served[0].extra == {}
+
+
+def test_decode_from_runs_qfa_hif8_on_the_hif8_cache(tiny_model_dir, capsys, monkeypatch):
+    """--decode-from through the CLI: qfa_hif8's every forward pass reads a HiF8Cache (counted
+    at qfa.serving's cached_attention, which the adapter calls for the cache's placeholders), the
+    rows and the saturation line are printed; --cache dynamic sends it to the drop-in instead."""
+    import qfa.integrations.transformers as qfa_hf
+
+    calls = []
+    real = qfa_hf.cached_attention
+    monkeypatch.setattr(qfa_hf, "cached_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    n, start, layers = 48, 16, 2
+    base = ["--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt.gz"), "--tokens", str(n),
+            "--attn", "sdpa,qfa_hif8", "--dtype", "fp32", "--decode-from", str(start)]
+    assert eval_ppl.run(_parse(base)) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == layers * (1 + n - 1 - start)  # the prefill, then one pass per later token
+    rows = _table_rows(out)
+    ppl = float(rows[(n, "qfa_hif8")][0][4])
+    assert math.isfinite(ppl) and abs(ppl / float(rows[(n, "sdpa")][0][4]) - 1) < 0.05
+    assert "serving path: prefill of 16 tokens" in out
+    assert re.search(r"saturated in the HiF8Cache: text\.txt\.gz N=48 qfa_hif8: \d+ of "
+                     rf"{layers * 2 * 2 * (n - 1) * 128} K/V elements", out)
+    calls.clear()
+    assert eval_ppl.run(_parse(base + ["--cache", "dynamic"])) == 0
+    assert not calls and "saturated in the HiF8Cache" not in capsys.readouterr().out
+
+
+def test_decode_from_errors(tiny_model_dir, capsys):
+    base = ["--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt.gz"), "--tokens", "32",
+            "--attn", "sdpa"]
+    for extra, match in ((["--decode-from", "8", "--window", "16"], "--window"),
+                         (["--decode-from", "0"], "at least 1"), (["--decode-from", "32"], "below every --tokens")):
+        assert eval_ppl.run(_parse(base + extra)) == 2
+        assert match in capsys.readouterr().err
+    for extra in (["--cache", "int8"], ["--decode-from", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            _parse(base + extra)
+        assert exc.value.code == 2
