@@ -385,7 +385,8 @@ def format_saturation(rows: list[Row]) -> str:
     for r in rows:
         if "saturated" in r.extra:
             clamped, total = r.extra["saturated"]
-            lines.append(f"saturated in the HiF8Cache: {r.text} N={r.tokens} {r.attn}: {clamped} of {total} K/V elements")
+            lines.append(f"saturated in the HiF8Cache: {r.text} N={r.tokens} {r.attn}: {clamped} of {total} "
+                         "K/V elements")
     return "\n".join(lines)
 
 

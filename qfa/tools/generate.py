@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warmup", action="store_true", help="do not run each implementation once untimed first")
     parser.add_argument("--fallback", default=None, choices=["sdpa"],
                         help="run layers qfa_hif8 cannot (head_dim != 128, sliding windows) with sdpa")
+    parser.add_argument("--profile", type=_positive_int, default=None, metavar="K",
+                        help="after each run, profile one more decode step (cProfile) and print its K costliest "
+                             "functions by cumulative time")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--output", default=None, help="also write the markdown table to this file")
 
@@ -104,6 +107,7 @@ class Run:
     step_s: list[float] = field(default_factory=list)  # one per decode step
     kv_bytes: int = 0
     saturated: int | None = None  # HiF8Cache only
+    profile: str = ""  # cProfile of one extra decode step (``profile=``)
 
     @property
     def prefill_tps(self) -> float:
@@ -127,9 +131,13 @@ def cache_nbytes(cache) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def generate_greedy(model, prompt, max_new_tokens: int, cache, *, on_step=None) -> Run:
+def generate_greedy(model, prompt, max_new_tokens: int, cache, *, on_step=None, profile: int = 0) -> Run:
     """Prefill ``prompt`` (int64 (1, n)) into ``cache``, then greedy-decode one token per
-    forward pass until ``max_new_tokens`` tokens exist; ``on_step()`` after every forward."""
+    forward pass until ``max_new_tokens`` tokens exist; ``on_step()`` after every forward.
+
+    ``profile=K``: after the run's figures are taken, one more decode step runs under cProfile
+    and its K costliest functions by cumulative time land in ``Run.profile`` (where a step's
+    time goes: the attention op, the cache's Python work, the model's linear layers)."""
     import torch
 
     if max_new_tokens < 1:
@@ -153,7 +161,26 @@ def generate_greedy(model, prompt, max_new_tokens: int, cache, *, on_step=None) 
     run.kv_bytes = cache_nbytes(cache)
     saturated = getattr(cache, "saturated", None)
     run.saturated = sum(saturated) if isinstance(saturated, list) else None
+    if profile:
+        run.profile = _profile_step(model, token, cache, profile)
     return run
+
+
+def _profile_step(model, token, cache, top: int) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    profiler = cProfile.Profile()
+    with torch.inference_mode():
+        profiler.enable()
+        int(model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].argmax(-1))
+        profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
 
 
 def agreement(tokens: list[int], ref: list[int]) -> tuple[int, float]:
@@ -221,7 +248,7 @@ def cache_label(cache) -> str:
 
 def run_all(model, prompt_ids, contexts: list[int], specs, *, cache_kind: str = "hif8", max_new_tokens: int = 32,
             repeat: int = 1, warmup: bool = True, model_label: str = "model", prompt_label: str = "prompt",
-            progress: bool = True) -> list[Row]:
+            progress: bool = True, profile: int = 0) -> list[Row]:
     """Every (context, spec) of :func:`eval_ppl.parse_attn` ``specs`` (registered), ``repeat``
     times interleaved; the fastest repeat of each is kept. ``prompt_ids``: int64 (n,) tokens."""
     from tqdm.auto import tqdm
@@ -248,7 +275,8 @@ def run_all(model, prompt_ids, contexts: list[int], specs, *, cache_kind: str = 
                         bar.set_postfix_str(f"context {n} {name} run {rep + 1}/{repeat}")
                         model.set_attn_implementation(name)
                         cache = new_cache(name, base, options)
-                        run = generate_greedy(model, prompt, max_new_tokens, cache, on_step=lambda: bar.update(1))
+                        run = generate_greedy(model, prompt, max_new_tokens, cache, on_step=lambda: bar.update(1),
+                                              profile=profile)
                         kept = best.get((n, j))
                         if kept is not None and kept[0].tokens != run.tokens:
                             raise RuntimeError(f"{name} at context {n}: repeat {rep + 1} generated other tokens "
@@ -310,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"the prompt file {args.prompt_file} has no tokens")
         rows = run_all(model, ids, contexts, specs, cache_kind=args.cache, max_new_tokens=args.max_new_tokens,
                        repeat=args.repeat, warmup=not args.no_warmup, model_label=label,
-                       prompt_label=Path(args.prompt_file).name)
+                       prompt_label=Path(args.prompt_file).name, profile=args.profile or 0)
     except ValueError as exc:
         print(f"qfa generate: error: {exc}", file=sys.stderr)
         return 2
@@ -320,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
           f"first `context` tokens; decode tok/s over the {args.max_new_tokens - 1} decode steps, best of "
           f"{args.repeat}; KV bytes at the end; greedy prefix/equal against the reference's tokens; "
           f"dtype {args.dtype}; torch threads {torch.get_num_threads()}")
+    for r in rows if args.profile else []:
+        print(f"\n### one decode step after the run: context {r.context}, {r.attn} on a {r.cache}\n{r.run.profile}")
     if args.output:
         Path(args.output).write_text(table + "\n")
     return 0
