@@ -42,6 +42,14 @@ def take_deprecated(deprecated: dict, given: dict, function: str, stacklevel: in
     return given
 
 
+@torch.compiler.disable
+def _run_sharded(call: _D, metadata: Optional[Metadata], process_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dropin_eager.run` with a process group, never traced: when ``torch.compile``
+    (without ``fullgraph``) breaks the graph at the refusal below and runs the call eagerly,
+    this keeps dynamo from tracing the collectives."""
+    return dropin_eager.run(call, metadata=metadata, process_group=process_group)
+
+
 def hif8_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = _D.is_causal,
     softmax_scale: Optional[float] = _D.softmax_scale, layout: str = _D.layout,
@@ -119,9 +127,11 @@ def hif8_attention(
             log2(rms) ties a half-integer to within float64 rounding. K means and the rotation
             are per head: nothing else is reduced. Every rank must make the call (it runs
             collectives). Static scales need no reduction: with all three given the group is
-            not used. Not under ``torch.compile`` (a group cannot cross the custom op): a
-            TypeError there unless all three scales are static. None (default): this rank's
-            tensors are the whole tensors.
+            not used. A group cannot cross the custom op, so under ``torch.compile`` a call with
+            one (and a computed scale) does not become ``torch.ops.qfa.hif8_attention``: with
+            ``fullgraph=True`` it is a TypeError saying so; without, the graph breaks there and
+            the call runs eagerly (never traced). None (default): this rank's tensors are the
+            whole tensors.
 
     Returns:
         ``out`` in ``q``'s layout, shape and dtype, or ``(out, lse)`` with ``return_softmax_lse``.
@@ -166,5 +176,6 @@ def hif8_attention(
             )
         out, lse = torch.ops.qfa.hif8_attention(**call)
     else:
-        out, lse = dropin_eager.run(_D(**call), metadata=metadata, process_group=process_group)
+        run = dropin_eager.run if process_group is None else _run_sharded
+        out, lse = run(_D(**call), metadata=metadata, process_group=process_group)
     return (out, lse) if return_softmax_lse else out
