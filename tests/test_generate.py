@@ -61,15 +61,18 @@ def test_generate_prints_the_fields(tiny_model_dir, capsys):  # noqa: F811
 
 def test_dynamic_cache_option_and_repeat(tiny_model_dir, capsys):  # noqa: F811
     """--cache dynamic: qfa_hif8 on a bf16 DynamicCache (the bytes of sdpa's); --repeat checks
-    that repeats generate the same tokens and keeps one row per implementation."""
+    that repeats generate the same tokens and keeps one row per implementation; --profile."""
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt-file", str(tiny_model_dir / "text.txt.gz"),
                  "--prompt-tokens", "24,32", "--max-new-tokens", "3", "--attn", "sdpa,qfa_hif8", "--cache", "dynamic",
-                 "--repeat", "2", "--no-warmup"]) == 0
-    rows = _rows(capsys.readouterr().out)
+                 "--repeat", "2", "--no-warmup", "--profile", "5"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
     assert [(r["context"], r["attention"], r["cache"]) for r in rows] == [
         (c, a, "DynamicCache") for c in ("24", "32") for a in ("sdpa", "qfa_hif8")]
     for r in rows:
         assert int(r["KV bytes"]) == _dynamic_bytes(int(r["context"]) + 2, 2)
+    # --profile: one profiled step per row, after the table
+    assert out.count("### one decode step after the run") == 4 and "Ordered by: cumulative time" in out
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "hif8"])
