@@ -288,7 +288,7 @@ def compute_scale(x: torch.Tensor, calibration: RuleLike | None = None) -> torch
     return check_scale(scale, "scale returned by the calibration rule")
 
 
-def sharded_scale(rule: Rule, part: torch.Tensor, name: str, process_group,
+def sharded_scale(rule: Rule, part: torch.Tensor, name: str, process_group: distributed.ProcessGroup,
                   whole: Callable[[], torch.Tensor]) -> torch.Tensor:
     """The scale ``rule`` gives the tensor whose head shards the ranks of ``process_group`` hold.
 
@@ -368,7 +368,7 @@ class ScaleObserver:
     """
 
     def __init__(self, calibration: RuleLike | None = None, *, per_batch: int = 1 << 15, max_pool: int = 1 << 18,
-                 process_group=None):
+                 process_group: Optional[distributed.ProcessGroup] = None):
         self.rule = get_rule(calibration)
         self.reduction = reduction_of(self.rule)
         self.process_group = distributed.check_process_group(process_group)

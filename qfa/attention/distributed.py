@@ -28,6 +28,9 @@ try:
 except ImportError:  # a torch build without distributed support
     dist = None
 
+#: The type ``process_group=`` takes (``object`` in a torch build without torch.distributed).
+ProcessGroup = dist.ProcessGroup if dist is not None and dist.is_available() else object
+
 #: Reduction op names a :class:`~qfa.attention.calibration.Reduction` may use per statistic.
 REDUCE_OPS = ("max", "sum")
 
@@ -36,7 +39,7 @@ def _available() -> bool:
     return dist is not None and dist.is_available()
 
 
-def check_process_group(process_group, name: str = "process_group"):
+def check_process_group(process_group: Optional[ProcessGroup], name: str = "process_group") -> Optional[ProcessGroup]:
     """``process_group`` itself when it is None or a ``torch.distributed.ProcessGroup``.
 
     TypeError for anything else; RuntimeError when torch.distributed is not available or not
@@ -55,11 +58,11 @@ def check_process_group(process_group, name: str = "process_group"):
     return process_group
 
 
-def group_size(process_group) -> int:
+def group_size(process_group: ProcessGroup) -> int:
     return dist.get_world_size(process_group)
 
 
-def all_reduce_statistics(stats: torch.Tensor, ops: Sequence[str], process_group) -> torch.Tensor:
+def all_reduce_statistics(stats: torch.Tensor, ops: Sequence[str], process_group: ProcessGroup) -> torch.Tensor:
     """``stats`` (float64, one entry per op in ``ops``) reduced over the group, as a new tensor.
 
     One all_reduce per distinct op. MAX and SUM of the same values are exact whatever the order
@@ -84,7 +87,7 @@ def _as_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8)
 
 
-def gather_heads(x: torch.Tensor, head_axis: int, process_group) -> torch.Tensor:
+def gather_heads(x: torch.Tensor, head_axis: int, process_group: ProcessGroup) -> torch.Tensor:
     """The shards of every rank concatenated along ``head_axis`` in rank order: for contiguous
     head shards, exactly the unsharded tensor. Every rank's shard must have the same shape."""
     size = group_size(process_group)
@@ -96,7 +99,7 @@ def gather_heads(x: torch.Tensor, head_axis: int, process_group) -> torch.Tensor
     return torch.cat([p.view(x.dtype) for p in parts], dim=head_axis)
 
 
-def gather_flat(x: torch.Tensor, process_group) -> torch.Tensor:
+def gather_flat(x: torch.Tensor, process_group: ProcessGroup) -> torch.Tensor:
     """1-D ``x`` of every rank, concatenated in rank order; the lengths may differ."""
     size = group_size(process_group)
     if size == 1:

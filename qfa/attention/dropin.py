@@ -43,7 +43,7 @@ def take_deprecated(deprecated: dict, given: dict, function: str, stacklevel: in
 
 
 @torch.compiler.disable
-def _run_sharded(call: _D, metadata: Optional[Metadata], process_group) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_sharded(call: _D, metadata: Optional[Metadata], process_group: distributed.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dropin_eager.run` with a process group, never traced: when ``torch.compile``
     (without ``fullgraph``) breaks the graph at the refusal below and runs the call eagerly,
     this keeps dynamo from tracing the collectives."""
@@ -58,7 +58,8 @@ def hif8_attention(
     calibration: cal.RuleLike | None = _D.calibration, smooth_k: bool = _D.smooth_k,
     p_scale: Union[float, torch.Tensor, None] = None, scales: Optional[Sequence] = None,
     return_softmax_lse: bool = _D.return_softmax_lse, backend: Optional[str] = _D.backend,
-    rotate: bool = _D.rotate, metadata: Optional[Metadata] = None, process_group=None, **deprecated,
+    rotate: bool = _D.rotate, metadata: Optional[Metadata] = None,
+    process_group: Optional[distributed.ProcessGroup] = None, **deprecated,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention on fp16/bf16/fp32 tensors through HiF8 per-tensor quantisation (quant_mode 0).
 

@@ -22,7 +22,7 @@ from qfa.tiling.spec import MaskMode, QuantMode, default_softmax_scale
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
 
 
-def _scales(c: DropinCall, tensors, process_group=None) -> list[torch.Tensor]:
+def _scales(c: DropinCall, tensors, process_group: distributed.ProcessGroup | None = None) -> list[torch.Tensor]:
     """The given static scales (checked), the others from the calibration rule on valid values
     (with ``process_group``: on the valid values of the whole tensor whose head shards the
     group's ranks hold, see :func:`qfa.attention.calibration.sharded_scale`)."""
@@ -72,7 +72,8 @@ def saturating_cast(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
-def run(c: DropinCall, metadata: Metadata | None = None, process_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def run(c: DropinCall, metadata: Metadata | None = None,
+        process_group: distributed.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one call; ``lse`` is an empty fp32 (0,) tensor unless requested.
 
     ``process_group``: a checked tensor-parallel group whose ranks hold contiguous head shards

@@ -68,7 +68,8 @@ class HiF8Attention(nn.Module):
                  layout: str = _D.layout, calibration: cal.RuleLike | None = _D.calibration,
                  smooth_k: bool = _D.smooth_k, p_scale: Union[float, torch.Tensor, None] = None,
                  backend: Optional[str] = _D.backend, static: bool = False, rotate: bool = _D.rotate,
-                 scales: Optional[Sequence] = None, process_group=None, **deprecated):
+                 scales: Optional[Sequence] = None,
+                 process_group: Optional[distributed.ProcessGroup] = None, **deprecated):
         super().__init__()
         self.process_group = distributed.check_process_group(process_group)
         if deprecated:
