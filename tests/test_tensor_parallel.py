@@ -130,6 +130,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                           frozen=m.frozen, outputs=outs[name]) for name, m in modules.items()}
 
     q, k, v = (_shard(x, rank) for x in _tensors(seed=1, layout="BNSD")[:3])
+    try:  # a gathering rule with unequal shards: refused on every rank (none left waiting)
+        heads = 4 if rank == 0 else 2
+        qfa.hif8_attention(q[:, :heads], k[:, :heads // 2], v[:, :heads // 2], calibration="mse", process_group=pg)
+        res["unequal"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        res["unequal"] = f"{type(e).__name__}: {e}"
 
     def f(q, k, v):
         return qfa.hif8_attention(q, k, v, process_group=pg)
@@ -250,6 +256,11 @@ def test_process_group_is_refused_under_fullgraph_compile_and_runs_eagerly_other
         compiled, eager = res["compile_eager"]
         assert torch.equal(compiled, eager)
     assert "process_group is not supported under torch.compile" in ranks[0]["compile"], ranks[0]["compile"]
+
+
+def test_unequal_shards_are_refused_on_every_rank_for_a_gathering_rule(ranks):
+    for res in ranks:
+        assert res["unequal"].startswith("ValueError") and "same shard shape" in res["unequal"], res["unequal"]
 
 
 def test_a_group_without_torch_distributed_initialised_is_an_error(ranks):

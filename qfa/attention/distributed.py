@@ -89,10 +89,17 @@ def _as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def gather_heads(x: torch.Tensor, head_axis: int, process_group: ProcessGroup) -> torch.Tensor:
     """The shards of every rank concatenated along ``head_axis`` in rank order: for contiguous
-    head shards, exactly the unsharded tensor. Every rank's shard must have the same shape."""
+    head shards, exactly the unsharded tensor. Every rank's shard must have the same shape
+    (ValueError on every rank otherwise, found by a first, tiny gather of the shapes)."""
     size = group_size(process_group)
     if size == 1:
         return x
+    shape = torch.tensor(x.shape, dtype=torch.int64, device=x.device)
+    shapes = [torch.empty_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape, group=process_group)
+    if any(not torch.equal(s, shapes[0]) for s in shapes):
+        raise ValueError(f"gathering head shards needs the same shard shape on every rank, got "
+                         f"{[tuple(s.tolist()) for s in shapes]} (rank order)")
     xb = _as_bytes(x)
     parts = [torch.empty_like(xb) for _ in range(size)]
     dist.all_gather(parts, xb, group=process_group)
