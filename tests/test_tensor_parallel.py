@@ -86,7 +86,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     import qfa
-    from qfa.attention import calibration as cal
     from qfa.attention.smoothing import prepare, valid_parts
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)

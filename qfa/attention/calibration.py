@@ -255,7 +255,8 @@ def register_rule(name: str, rule: Rule, *, overwrite: bool = False, reduction: 
     if not callable(rule):
         raise TypeError(f"rule must be callable (tensor -> fp32 scale of shape (1,)), got {type(rule).__name__}")
     if reduction is not None and not isinstance(reduction, Reduction):
-        raise TypeError(f"reduction must be a qfa.attention.calibration.Reduction or None, got {type(reduction).__name__}")
+        raise TypeError(f"reduction must be a qfa.attention.calibration.Reduction or None, "
+                        f"got {type(reduction).__name__}")
     if reduction is not None and any(op not in distributed.REDUCE_OPS for op in reduction.ops):
         raise ValueError(f"reduction.ops must each be one of {distributed.REDUCE_OPS}, got {reduction.ops!r}")
     if name in RULES and not overwrite:

@@ -43,7 +43,8 @@ def take_deprecated(deprecated: dict, given: dict, function: str, stacklevel: in
 
 
 @torch.compiler.disable
-def _run_sharded(call: _D, metadata: Optional[Metadata], process_group: distributed.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_sharded(call: _D, metadata: Optional[Metadata],
+                 process_group: distributed.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dropin_eager.run` with a process group, never traced: when ``torch.compile``
     (without ``fullgraph``) breaks the graph at the refusal below and runs the call eagerly,
     this keeps dynamo from tracing the collectives."""
