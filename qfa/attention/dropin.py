@@ -6,6 +6,7 @@ into one :class:`~qfa.attention.dropin_call.DropinCall`, and runs it: directly
 ``torch.ops.qfa.hif8_attention`` (:mod:`qfa.attention.dropin_op`) while ``torch.compile`` traces
 it. K smoothing and the rotation are described in :mod:`qfa.attention.smoothing` and
 :mod:`qfa.attention.rotation`; the module form is :class:`qfa.attention.dropin_module.HiF8Attention`.
+Tensor parallel (``process_group=``, heads sharded across ranks) is :mod:`qfa.attention.distributed`.
 """
 
 from __future__ import annotations
