@@ -506,9 +506,6 @@ def test_dropin_padding_has_no_influence_inputs_and_state_unchanged(case, poison
 
 # ----------------------------------------------------------------------------- examples
 
-@pytest.mark.xfail(native_runs(), strict=True, reason="csrc/cpu_attention.cpp's single_threaded_blas() calls "
-                   "omp_set_num_threads(1) on the region's workers, the calling thread included, so after one "
-                   "native call torch.get_num_threads() is 1 for the rest of the process (found by this suite)")
 def test_the_native_kernel_leaves_the_thread_count():
     q, k, v, qd, kd, vd = ref.random_qkv((1, 1, 4, D), (1, 1, 4, D), 0)
     threads = torch.get_num_threads()
@@ -531,20 +528,7 @@ def test_dropin_meta_tensors_give_meta_outputs():
         qfa.hif8_attention(t, t, t, layout="TND", cu_seqlens_q=cu, cu_seqlens_kv=cu)
 
 
-NATIVE_FLOAT64_LSE = pytest.mark.xfail(
-    native_runs(), strict=True, raises=RuntimeError,
-    reason="qfa/attention/cpu_kernel.py's forward allocates the lse with torch.full(...) / torch.empty(0) without "
-           "dtype=torch.float32, so under a float64 default dtype the kernel gets a double lse")
-
-
-NATIVE_INF_SCORES = pytest.mark.xfail(
-    native_runs(), strict=True,
-    reason="found by test_special_codes_follow_the_reference_where_finite (long profile): the native kernel "
-           "returns a finite row where the row's only score is +-inf or NaN (two +Inf q codes against one key); "
-           "the torch path and the reference give NaN")
-
-
-@pytest.mark.parametrize("path", [pytest.param("native", marks=NATIVE_INF_SCORES), "torch"])
+@pytest.mark.parametrize("path", ["native", "torch"])
 def test_a_row_whose_only_score_is_not_finite_is_nan(path):
     q, k, v, qd, kd, vd = ref.random_qkv((1, 1, 2, D), (1, 1, 1, D), 0)
     q[0, 0, 1, 44] = q[0, 0, 1, 64] = fmt.POS_INF_CODE
@@ -557,7 +541,7 @@ def test_a_row_whose_only_score_is_not_finite_is_nan(path):
     assert torch.isfinite(out[0, 0, 0]).all()
 
 
-@pytest.mark.parametrize("path", [pytest.param("native", marks=NATIVE_FLOAT64_LSE), "torch"])
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("layout", ["BNSD", "TND"])
 def test_dropin_under_a_float64_default_dtype(layout, path):
     g = torch.Generator().manual_seed(3)
