@@ -42,12 +42,13 @@ from types import ModuleType
 
 import torch
 
+from qfa import csrc
 from qfa.cast import luts
 from qfa.cast import rounding
 from qfa.tiling.attention import AttentionPlan, lse_shape, normalised_strides
 
 ENV_VAR = "QFA_NATIVE"
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_attention.cpp"
+SOURCE = Path(csrc.__file__).resolve().parent / "cpu_attention.cpp"
 #: GQA rows (query positions x group) per work item. Measured on the 2-core EPYC, (12, 2) S=2048
 #: causal, one thread: 256 rows 230 ms, 128 rows 250-310 ms (MKL runs the larger M faster, and
 #: the K/V blocks are read half as often).
@@ -105,7 +106,7 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     if not SOURCE.is_file():
-        raise FileNotFoundError(f"{SOURCE} (the native kernel's source ships with the repository checkout)")
+        raise FileNotFoundError(f"{SOURCE} (the native kernel's source, package data of qfa.csrc)")
     flags = _COMMON_FLAGS + _VECTOR_FLAGS.get(cpu_capability(), [])
     # libgomp: the workers pin their nested OpenMP team size to 1 (torch's own runtime is OpenMP).
     return load(name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-lgomp"],

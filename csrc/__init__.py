@@ -1,0 +1,1 @@
+"""C++ sources of the native CPU kernels (installed as ``qfa.csrc``, built on first use)."""
