@@ -256,7 +256,7 @@ def test_decode_from_runs_qfa_hif8_on_the_hif8_cache(tiny_model_dir, capsys, mon
     calls = []
     real = qfa_hf.cached_attention
     monkeypatch.setattr(qfa_hf, "cached_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    n, start, layers = 48, 16, 2
+    n, start, layers = 32, 20, 2
     base = ["--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt.gz"), "--tokens", str(n),
             "--attn", "sdpa,qfa_hif8", "--dtype", "fp32", "--decode-from", str(start)]
     assert eval_ppl.run(_parse(base)) == 0
@@ -265,8 +265,8 @@ def test_decode_from_runs_qfa_hif8_on_the_hif8_cache(tiny_model_dir, capsys, mon
     rows = _table_rows(out)
     ppl = float(rows[(n, "qfa_hif8")][0][4])
     assert math.isfinite(ppl) and abs(ppl / float(rows[(n, "sdpa")][0][4]) - 1) < 0.05
-    assert "serving path: prefill of 16 tokens" in out
-    assert re.search(r"saturated in the HiF8Cache: text\.txt\.gz N=48 qfa_hif8: \d+ of "
+    assert f"serving path: prefill of {start} tokens" in out
+    assert re.search(rf"saturated in the HiF8Cache: text\.txt\.gz N={n} qfa_hif8: \d+ of "
                      rf"{layers * 2 * 2 * (n - 1) * 128} K/V elements", out)
     calls.clear()
     assert eval_ppl.run(_parse(base + ["--cache", "dynamic"])) == 0
