@@ -94,10 +94,12 @@ def test_head_pairs():
 
 
 def test_speed_verdict():
-    head = f"speed target (qfa <= 1.0x fp32 SDPA for S >= {bench_attention.SPEED_TARGET_MIN_SEQ}): "
-    assert bench_attention.speed_verdict([0.8, 0.95]) == head + "met in 2 of 2 rows (worst 0.95x)"
-    assert bench_attention.speed_verdict([1.0]) == head + "met in 1 of 1 rows (worst 1.00x)"  # the bound is met
-    assert bench_attention.speed_verdict([0.7, 1.25, 0.9]) == head + "NOT met in 2 of 3 rows (worst 1.25x)"
+    head = f"speed target (qfa <= 1.0x fp32 SDPA for S >= {bench_attention.SPEED_TARGET_MIN_SEQ})"
+    assert bench_attention.speed_verdict([0.8, 0.95]) == head + ": met, 2 of 2 rows within it (worst 0.95x)"
+    assert bench_attention.speed_verdict([1.0]) == head + ": met, 1 of 1 rows within it (worst 1.00x)"  # the bound is met
+    assert bench_attention.speed_verdict([0.7, 1.25, 0.9]) == head + ": NOT met, 2 of 3 rows within it (worst 1.25x)"
+    assert bench_attention.decode_verdict([0.4, 0.6]).endswith(": NOT met, 1 of 2 rows within it (worst 0.60x)")
+    assert bench_attention.load_verdict([1.5, 1.2]).endswith(": met, 2 of 2 rows within it (worst 1.50x)")
     with pytest.raises(ValueError, match="at least one"):
         bench_attention.speed_verdict([])
 

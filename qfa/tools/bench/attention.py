@@ -203,22 +203,25 @@ def decode_rows(skvs, batches, sqs, backend: str, heads: tuple[int, int], load: 
     return rows, ratios, load_ratios
 
 
+def _verdict(target: str, bound: float, ratios: Sequence[float], caller: str) -> str:
+    """``target``'s verdict line: met when every ratio is <= ``bound``, with the count within it."""
+    if not ratios:
+        raise ValueError(f"{caller} needs at least one measured ratio, got none")
+    met = sum(r <= bound for r in ratios)
+    return (f"{target}: {'met' if met == len(ratios) else 'NOT met'}, {met} of {len(ratios)} rows within it "
+            f"(worst {max(ratios):.2f}x)")
+
+
 def decode_verdict(ratios: Sequence[float]) -> str:
     """The verdict line on the decode target, from qfa / fp32 SDPA of the decode rows."""
-    if not ratios:
-        raise ValueError("decode_verdict needs at least one measured ratio, got none")
-    met = sum(r <= DECODE_TARGET_RATIO for r in ratios)
-    return (f"decode target (qfa <= {DECODE_TARGET_RATIO:.1f}x fp32 SDPA): "
-            f"{'met' if met == len(ratios) else 'NOT met'} in {met} of {len(ratios)} rows (worst {max(ratios):.2f}x)")
+    return _verdict(f"decode target (qfa <= {DECODE_TARGET_RATIO:.1f}x fp32 SDPA)", DECODE_TARGET_RATIO, ratios,
+                    "decode_verdict")
 
 
 def load_verdict(ratios: Sequence[float]) -> str:
     """The verdict line on the --load target, from qfa's loaded / quiet time of each row."""
-    if not ratios:
-        raise ValueError("load_verdict needs at least one measured ratio, got none")
-    met = sum(r <= LOAD_TARGET_RATIO for r in ratios)
-    return (f"load target (qfa with one core busy <= {LOAD_TARGET_RATIO:.1f}x its quiet time): "
-            f"{'met' if met == len(ratios) else 'NOT met'} in {met} of {len(ratios)} rows (worst {max(ratios):.2f}x)")
+    return _verdict(f"load target (qfa with one core busy <= {LOAD_TARGET_RATIO:.1f}x its quiet time)",
+                    LOAD_TARGET_RATIO, ratios, "load_verdict")
 
 
 _BUSY_LOOP = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end:\n    pass\n"
@@ -259,11 +262,8 @@ def prefill_rows(seqs, backend: str, heads=HEADS, load: bool = False):
 
 def speed_verdict(ratios: Sequence[float]) -> str:
     """The verdict line on the speed target, from qfa / fp32 SDPA of the rows it covers (S >= the minimum)."""
-    if not ratios:
-        raise ValueError("speed_verdict needs at least one measured ratio, got none")
-    met = sum(r <= SPEED_TARGET_RATIO for r in ratios)
-    return (f"speed target (qfa <= {SPEED_TARGET_RATIO:.1f}x fp32 SDPA for S >= {SPEED_TARGET_MIN_SEQ}): "
-            f"{'met' if met == len(ratios) else 'NOT met'} in {met} of {len(ratios)} rows (worst {max(ratios):.2f}x)")
+    return _verdict(f"speed target (qfa <= {SPEED_TARGET_RATIO:.1f}x fp32 SDPA for S >= {SPEED_TARGET_MIN_SEQ})",
+                    SPEED_TARGET_RATIO, ratios, "speed_verdict")
 
 
 _MEMORY_SCRIPT = """
