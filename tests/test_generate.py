@@ -107,8 +107,23 @@ def test_agreement():
 
 
 def test_the_thread_count_survives_the_runs(tiny_model_dir):  # noqa: F811
-    """The native kernel may leave torch on one thread (a known bug); the runs restore it."""
-    specs = eval_ppl.parse_attn("qfa_hif8,sdpa")
+    """The thread count after the runs is the one before, and every layer runs on it: an
+    attention call that drops it to 1 (as the native kernel once did) is undone after each
+    attention module, so no later layer or run is timed on one thread."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    seen = []
+
+    def dropping(module, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        torch.set_num_threads(1)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("qfa_test_drops_threads", dropping)
+    AttentionMaskInterface.register("qfa_test_drops_threads", sdpa_mask)
+    specs = eval_ppl.parse_attn("qfa_test_drops_threads,qfa_hif8,sdpa")
     eval_ppl.register_implementations(specs)
     model, tok = models.load_model(str(tiny_model_dir), None, torch.bfloat16, "sdpa")
     ids = tok("GNU General Public License " * 4, return_tensors="pt").input_ids[0]
@@ -119,7 +134,8 @@ def test_the_thread_count_survives_the_runs(tiny_model_dir):  # noqa: F811
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
-    assert [r.cache for r in rows] == ["HiF8Cache", "DynamicCache"]
+    assert seen == [2] * (LAYERS * 3)  # 3 forward passes of 2 layers, each entered with 2 threads
+    assert [r.cache for r in rows] == ["DynamicCache", "HiF8Cache", "DynamicCache"]
 
 
 @pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--max-new-tokens", "x"], ["--cache", "int8"],
