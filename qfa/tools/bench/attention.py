@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from qfa.tools.bench.timing import markdown_table, median_seconds
 from qfa.tools.metrics import error_metrics
+from qfa.tools.workloads import head_pairs
 
 HEADS = ((12, 2), (32, 8))
 SEQS = (512, 1024, 2048, 4096)
@@ -49,17 +49,11 @@ ISA_FLAGS = (("AVX2", ("avx2",)), ("AVX-512", ("avx512f",)), ("AVX512_BF16", ("a
 
 
 def _head_pairs(text: str) -> list[tuple[int, int]]:
-    """'12:2,32:8' -> [(12, 2), (32, 8)]: q heads and kv heads, q a multiple of kv."""
-    pairs = []
-    for item in text.split(","):
-        try:
-            hq, hkv = (int(x) for x in item.split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected Nq:Nkv pairs like 12:2,32:8, got {item!r}") from None
-        if hkv < 1 or hq < hkv or hq % hkv:
-            raise argparse.ArgumentTypeError(f"Nq must be a positive multiple of Nkv, got {item!r}")
-        pairs.append((hq, hkv))
-    return pairs
+    """``--heads``: :func:`qfa.tools.workloads.head_pairs`, its message kept for argparse."""
+    try:
+        return head_pairs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
