@@ -1,4 +1,4 @@
-"""Triton kernel of quant_flash_attn (HiF8 per-tensor, quant_mode 7) and its host launcher.
+"""Triton kernel of quant_flash_attn (HiF8 per-tensor, quant_mode 0) and its host launcher.
 
 ``forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)`` runs the
 :class:`~qfa.tiling.attention.AttentionPlan` that ``qfa.tiling.attention.plan_attention`` built;

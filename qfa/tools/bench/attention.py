@@ -312,7 +312,7 @@ def accuracy_rows(seq: int) -> list[list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    print(f"quant_flash_attn (mode 7, D=128) vs SDPA; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"quant_flash_attn (HiF8 per-tensor, quant_mode 0, D=128) vs SDPA; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"backend={args.backend}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"CPU: {cpu_description(cpuinfo)}")
     print(f"code path: {code_path(args.backend)}")
