@@ -175,10 +175,17 @@ def test_softmax_scale_that_overflows_the_scores():
 
 # --- quant_mode, layout, mask_mode, softmax_scale, backend -----------------------------------------
 
-@pytest.mark.parametrize("mode", [1, 2, 6, 8, -1])
+@pytest.mark.parametrize("mode", [2, 8, -1])
 def test_quant_mode(mode):
-    with pytest.raises(ValueError, match=r"^quant_mode must be 0 \(HiF8 per-tensor; 7 is its older number\), got "):
+    with pytest.raises(ValueError, match=r"^quant_mode must be 0 \(HiF8 per-tensor; 7 is its older number\), 1 "
+                                         r"\(MXFP8\) or 6 \(FP8 per-token-head\), got "):
         call(good_bnsd() + [mode])
+
+
+@pytest.mark.parametrize("mode,layouts", [(1, dict(layout="TND")), (6, dict(layout_q="NTD"))])
+def test_other_modes_refuse_hif8_codes(mode, layouts):
+    with pytest.raises(TypeError, match=rf"^q must be torch.float8_e4m3fn in quant_mode {mode} .*got torch.uint8"):
+        call(good_bnsd() + [mode], **layouts)
 
 
 @pytest.mark.parametrize("mode", [True, "7", None, 7.0, 0.0])

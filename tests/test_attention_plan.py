@@ -116,7 +116,7 @@ def test_metadata_without_lengths_binds_to_any_sequence_length():
     (dict(seqused_q=None), r"^seqused_q must be like the one the metadata was planned with"),
     (dict(seqused_kv=torch.zeros(3, dtype=torch.int32)), r"^seqused_kv must be like the one the metadata"),
     (dict(max_seqlen_q=99), r"^max_seqlen_q must be -1 or the metadata's -1, got 99"),
-    (dict(quant_mode=1), r"^quant_mode must be 0"),
+    (dict(quant_mode=1), r"^quant_mode must be the metadata's 0, got 1"),
 ], ids=["layout", "mask", "seqused-dropped", "seqused-added", "max_seqlen", "quant_mode"])
 def test_a_run_must_match_its_metadata(change, match):
     q, k, v, lens = tnd_case()
@@ -160,7 +160,12 @@ def test_a_run_must_match_its_metadatas_tensors():
     (dict(max_seqlen_kv=3, seqused_kv=torch.tensor([5], dtype=torch.int32)), ValueError,
      r"^max_seqlen_kv must be an upper bound of the used lengths \(>= 5\), got 3"),
     (dict(mask_mode=4), ValueError, r"^mask_mode must be 0 \(none\) or 3 \(causal\)"),
-    (dict(quant_mode=1), ValueError, r"^quant_mode must be 0 .*got 1 \(MXFP8: upstream's mode, not implemented"),
+    (dict(quant_mode=2), ValueError, r"^quant_mode must be 0 \(HiF8 per-tensor; 7 is its older number\), 1 \(MXFP8\) "
+                                     r"or 6 \(FP8 per-token-head\), got 2"),
+    (dict(quant_mode=1, head_dim=96, layout="TND"), ValueError, r"^head_dim must be one of \(64, 72, 128, 256\) in quant_mode 1, "
+                                                   r"got 96"),
+    (dict(quant_mode=6, layout_q="TND"), ValueError, r"^layout_q must be one of \('NTD',\) in quant_mode 6 "
+                                                     r"\(FP8_PER_TOKEN_HEAD\), got 'TND'"),
     (dict(layout_q="TND"), ValueError, r"^layout_q, layout_kv and layout_out must be equal in the HiF8 mode"),
     (dict(layout_q_descale="TND"), ValueError, r"^layout_q_descale must be 'BSND' in the HiF8 mode"),
 ], ids=lambda x: x if isinstance(x, str) else None)

@@ -29,16 +29,17 @@ from functools import cached_property
 import torch
 
 from qfa.tiling.attention_checks import (  # noqa: F401  (re-exported: the plan's users ask here)
-    LAYOUTS, MAX_BATCH, PAGED_LAYOUTS, _AXES, _check_attn_mask, _check_max_seqlen, _check_paged,
+    LAYOUTS, MAX_BATCH, PACKED_LAYOUTS, PAGED_LAYOUTS, _AXES, _check_attn_mask, _check_max_seqlen, _check_paged,
     _contiguous_strides, _paged_shape, _shape_of, check_block_table_values, check_devices, check_heads,
     check_mask_mode, check_quant_mode, check_run_tensors, check_scale_values, check_shapes, check_softmax_scale,
     check_unsupported, host_reads_are_free, lse_shape, normalised_strides, paged_strides, resolve_layouts,
 )
 from qfa.tiling.checks import apply_seqused, check_bool, check_sequence_lengths, cumulative_lengths, int32_vector
-from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode
+from qfa.tiling.scaled_checks import check_descale_shapes, check_scaled_run_tensors, check_scaled_values
+from qfa.tiling.spec import HEAD_DIM, HEAD_DIMS, KEY_BLOCK, MaskMode, QuantMode
 
-#: Keys per softmax block: it changes the numbers (P is quantised relative to the running max).
-BLOCK_N = 256
+#: Keys per softmax block of the HiF8 mode (each mode's: ``spec.KEY_BLOCK``).
+BLOCK_N = KEY_BLOCK[QuantMode.HIF8_PER_TENSOR]
 #: Query rows per kernel program (upstream's tile); it does not change the numbers.
 BLOCK_M = 128
 #: The torch path's query tile, in score rows per kv head (G x positions): one 256-key block of
@@ -65,7 +66,7 @@ class AttentionMetadata:
     """
 
     quant_mode: QuantMode
-    layout: str  # of q and out
+    layout: str  # of q (and of out in the HiF8 mode)
     layout_kv: str  # of k and v: ``layout``, or a paged layout
     heads_q: int
     heads_kv: int
@@ -83,6 +84,8 @@ class AttentionMetadata:
     device: torch.device | None
     #: The (dtype, shape) of each length tensor it was planned with; a run must pass alike ones.
     length_args: tuple = ()
+    layout_out: str = ""  # "" means ``layout``
+    layout_q_descale: str = "BSND"
     _plans: dict = field(default_factory=dict, compare=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
@@ -94,6 +97,10 @@ class AttentionMetadata:
     def paged(self) -> bool:
         return self.layout_kv in PAGED_LAYOUTS
 
+    @property
+    def out_layout(self) -> str:
+        return self.layout_out or self.layout
+
 
 def _length_signature(**tensors) -> tuple:
     return tuple((name, None if t is None else (t.dtype, tuple(t.shape))) for name, t in sorted(tensors.items()))
@@ -103,16 +110,17 @@ def plan_metadata(
     num_heads_q: int, num_heads_kv: int, head_dim: int = HEAD_DIM, quant_mode=QuantMode.HIF8_PER_TENSOR, *,
     cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None, batch_size=None,
     max_seqlen_q: int = -1, max_seqlen_kv: int = -1, head_dim_v=None, mask_mode=MaskMode.NONE,
-    win_left: int = -1, win_right: int = -1, layout: str = "BNSD", layout_q_descale: str = "BSND",
+    win_left: int = -1, win_right: int = -1, layout: str | None = None, layout_q_descale: str | None = None,
     is_grad_enabled: bool = False, total_q: int | None = None, total_kv: int | None = None,
-    layout_kv: str | None = None,
+    layout_kv: str | None = None, layout_out: str | None = None,
 ) -> AttentionMetadata:
     """Validate the tensor-independent arguments and read the per-batch lengths (a host read of
     ``cu_seqlens`` / ``seqused``: the one device synchronisation of a plan, paid here once).
 
     ``total_q`` / ``total_kv``, the tensors' sequence lengths when known (TND: token counts,
     checked against ``cu_seqlens[-1]``; otherwise the padded S, which bounds ``seqused``), are
-    checked here when given and by :func:`bind` otherwise.
+    checked here when given and by :func:`bind` otherwise. ``layout`` is q's layout (and out's
+    unless ``layout_out`` says otherwise: modes 1 and 6, see ``resolve_layouts``).
     """
     quant_mode = check_quant_mode(quant_mode)
     mask_mode = check_mask_mode(mask_mode)
@@ -120,26 +128,36 @@ def plan_metadata(
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     check_heads(num_heads_q, num_heads_kv)
-    if head_dim != HEAD_DIM:
-        raise ValueError(f"head_dim must be {HEAD_DIM} in the HiF8 mode, got {head_dim}")
+    mode_name = "the HiF8 mode" if quant_mode == QuantMode.HIF8_PER_TENSOR else f"quant_mode {int(quant_mode)}"
+    dims = HEAD_DIMS[quant_mode]
+    if head_dim not in dims:
+        expected = dims[0] if len(dims) == 1 else f"one of {dims}"
+        raise ValueError(f"head_dim must be {expected} in {mode_name}, got {head_dim}")
     if head_dim_v is not None and head_dim_v != head_dim:
-        raise ValueError(f"head_dim_v must be None or equal head_dim ({head_dim}) in the HiF8 mode, got {head_dim_v!r}")
+        raise ValueError(f"head_dim_v must be None or equal head_dim ({head_dim}) in {mode_name}, got {head_dim_v!r}")
     if check_bool(is_grad_enabled, "is_grad_enabled"):
         raise ValueError("is_grad_enabled must be False: qfa's quant_flash_attn is forward-only")
     check_unsupported(win_left, win_right)
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_kv = _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    layout, layout_kv = resolve_layouts(layout, None, layout_kv, None, layout_q_descale)
+    if quant_mode == QuantMode.HIF8_PER_TENSOR:
+        layout = "BNSD" if layout is None else layout
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        layouts = resolve_layouts(layout, None, layout_kv, None, layout_q_descale, quant_mode)
+    else:  # ``layout`` is q's; out's and kv's are their own (unset: the mode's defaults)
+        layouts = resolve_layouts(None, layout, layout_kv, layout_out, layout_q_descale, quant_mode)
+    layout, layout_kv = layouts.q, layouts.kv
     paged = layout_kv in PAGED_LAYOUTS
+    # Token-packed q (TND, mode 6's NTD) takes its segments from cu_seqlens_q.
+    lengths_layout = "TND" if layout in PACKED_LAYOUTS else layout
     named = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q,
              "seqused_kv": seqused_kv}
-    if layout == "TND" and batch_size is not None:
-        raise ValueError("batch_size is not accepted with layout 'TND' (cu_seqlens_q gives the batch)")
+    if lengths_layout == "TND" and batch_size is not None:
+        raise ValueError(f"batch_size is not accepted with layout {layout!r} (cu_seqlens_q gives the batch)")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
         raise TypeError(f"batch_size must be an int or None, got {type(batch_size).__name__} {batch_size!r}")
-    batch = check_sequence_lengths(layout, batch=batch_size, max_batch=MAX_BATCH, kv_paged=paged, **named)
+    batch = check_sequence_lengths(lengths_layout, batch=batch_size, max_batch=MAX_BATCH, kv_paged=paged, **named)
     devices = {t.device for t in named.values() if isinstance(t, torch.Tensor)}
 
     # The host reads, after every static check.
@@ -148,7 +166,7 @@ def plan_metadata(
             raise ValueError(f"{name} is on the meta device, but planning reads its values: pass it on a real "
                              f"device (the CPU or q's)")
     q_lens = kv_lens = q_starts = kv_starts = None
-    if layout == "TND":
+    if lengths_layout == "TND":
         cu_q_list = int32_vector(cu_seqlens_q, "cu_seqlens_q", batch + 1)
         q_lens = cumulative_lengths(cu_q_list, "cu_seqlens_q", total_q)
         q_starts, total_q = tuple(cu_q_list[:-1]), cu_q_list[-1]
@@ -158,16 +176,16 @@ def plan_metadata(
             kv_starts, total_kv = tuple(cu_kv_list[:-1]), cu_kv_list[-1]
     used_q = int32_vector(seqused_q, "seqused_q", batch) if seqused_q is not None else None
     used_kv = int32_vector(seqused_kv, "seqused_kv", batch) if seqused_kv is not None else None
-    if layout != "TND":  # lengths are the tensors' (known here only through total_*) unless seqused
+    if lengths_layout != "TND":  # lengths are the tensors' (known here only through total_*) unless seqused
         q_lens = [total_q] * batch if total_q is not None and batch else None
         kv_lens = [total_kv] * batch if total_kv is not None and batch and not paged else None
     q_lens = apply_seqused(q_lens, used_q, "seqused_q")
     kv_lens = apply_seqused(kv_lens, used_kv, "seqused_kv")
-    if layout != "TND":
+    if lengths_layout != "TND":
         q_lens = q_lens if used_q is not None else None
         kv_lens = kv_lens if used_kv is not None else None
     if paged:  # keys live in blocks: no token axis, every sequence's keys start at 0
-        kv_starts, total_kv = (0,) * batch if layout == "TND" else None, None
+        kv_starts, total_kv = (0,) * batch if lengths_layout == "TND" else None, None
     for lens, bound, name in ((q_lens, max_seqlen_q, "max_seqlen_q"), (kv_lens, max_seqlen_kv, "max_seqlen_kv")):
         if lens is not None and bound != -1 and max(lens, default=0) > bound:
             raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
@@ -175,10 +193,12 @@ def plan_metadata(
         quant_mode=quant_mode, layout=layout, layout_kv=layout_kv, heads_q=num_heads_q, heads_kv=num_heads_kv, head_dim=head_dim,
         mask_mode=mask_mode, batch=batch, q_lens=None if q_lens is None else tuple(q_lens),
         kv_lens=None if kv_lens is None else tuple(kv_lens), q_starts=q_starts, kv_starts=kv_starts,
-        total_q=total_q if layout == "TND" else None, total_kv=total_kv if layout == "TND" and not paged else None,
+        total_q=total_q if lengths_layout == "TND" else None,
+        total_kv=total_kv if lengths_layout == "TND" and not paged else None,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
         device=next(iter(devices)) if devices else None,
-        length_args=_length_signature(**named),
+        length_args=_length_signature(**named), layout_out=layouts.out if layouts.out != layout else "",
+        layout_q_descale=layouts.q_descale,
     )
 
 
@@ -319,7 +339,7 @@ def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax
     """``meta`` applied to tensors q, k, v (already checked by :func:`check_run_tensors`): shape
     rules, lengths against the tensors, output geometry, tiles and grid. Host arithmetic only;
     the plan is cached in ``meta`` per geometry."""
-    softmax_scale = check_softmax_scale(softmax_scale)
+    softmax_scale = check_softmax_scale(softmax_scale, meta.head_dim)
     return_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     _check_attn_mask(attn_mask, meta.mask_mode)
     key = _geometry_key(q, k, v, softmax_scale, return_lse, block_table)
@@ -338,19 +358,20 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
         raise ValueError(f"cu_seqlens / seqused must be on q's device {device}, got {meta.device}")
     check_devices(device, {"k": k, "v": v, "block_table": block_table})
     paged = meta.paged
+    packed = layout in PACKED_LAYOUTS
     if paged:
         qs = _shape_of(q, "q", layout)
-        batch = meta.batch if layout == "TND" else qs["b"]
+        batch = meta.batch if packed else qs["b"]
         ks, width = _check_paged(meta, q, k, v, block_table, qs, batch)
     else:
         if block_table is not None:
             check_unsupported(-1, -1, block_table=block_table)
-        qs, ks = check_shapes(q, k, v, layout)
+        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[meta.quant_mode], meta.layout_kv)
         width = 0
     if (qs["n"], ks["n"]) != (meta.heads_q, meta.heads_kv):
         raise ValueError(f"q/k heads must match the metadata's ({meta.heads_q}, {meta.heads_kv}), "
                          f"got ({qs['n']}, {ks['n']})")
-    if layout == "TND":
+    if packed:
         if qs["s"] != meta.total_q:
             raise ValueError(f"cu_seqlens_q[-1] must equal the token count {qs['s']} of the tensor, got {meta.total_q}")
         if not paged and ks["s"] != meta.total_kv:
@@ -380,23 +401,25 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
     for lens, bound, name in ((q_lens, meta.max_seqlen_q, "max_seqlen_q"), (kv_lens, meta.max_seqlen_kv, "max_seqlen_kv")):
         if bound != -1 and max(lens, default=0) > bound:
             raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
-    seq_kv = max(kv_lens, default=0) if paged or layout == "TND" else ks["s"]
-    out_shape = tuple(q.shape)
+    seq_kv = max(kv_lens, default=0) if paged or packed else ks["s"]
+    out_layout = meta.out_layout
+    axes = _AXES[out_layout]
+    out_shape = tuple(qs[name] for name, _ in sorted(axes.items(), key=lambda item: item[1]))
     out_strides = _contiguous_strides(out_shape)
-    axes = _AXES[layout]
     out_norm = (out_strides[axes["b"]] if "b" in axes else 0, out_strides[axes["n"]], out_strides[axes["s"]],
                 out_strides[axes["d"]])
-    lse_sh = lse_shape(out_shape, layout)
-    lse_st = (0, *_contiguous_strides(lse_sh)) if layout == "TND" else _contiguous_strides(lse_sh)
+    lse_sh = lse_shape(out_shape, out_layout)
+    lse_st = (0, *_contiguous_strides(lse_sh)) if out_layout in PACKED_LAYOUTS else _contiguous_strides(lse_sh)
     n_tiles = math.ceil(max(rows, default=0) / BLOCK_M)
     kv_strides = (lambda t: paged_strides(t, meta.layout_kv)) if paged else (lambda t: normalised_strides(t, layout))
     return AttentionPlan(
         meta=meta, layout=layout, device=device, batch=batch, heads_q=meta.heads_q, heads_kv=meta.heads_kv,
-        head_dim=HEAD_DIM, seq_q=seq_q, seq_kv=seq_kv, q_starts=tuple(q_starts), kv_starts=tuple(kv_starts),
+        head_dim=meta.head_dim, seq_q=seq_q, seq_kv=seq_kv, q_starts=tuple(q_starts), kv_starts=tuple(kv_starts),
         q_lens=q_lens, kv_lens=kv_lens, rows=rows, strides_q=normalised_strides(q, layout),
         strides_kv=kv_strides(k), strides_v=kv_strides(v), out_shape=out_shape,
         out_strides=out_norm, lse_shape=lse_sh, lse_strides=lse_st, causal=meta.causal,
-        softmax_scale=softmax_scale, return_lse=return_lse, block_m=BLOCK_M, block_n=BLOCK_N, n_tiles=n_tiles,
+        softmax_scale=softmax_scale, return_lse=return_lse, block_m=BLOCK_M, block_n=KEY_BLOCK[meta.quant_mode],
+        n_tiles=n_tiles,
         torch_rows=torch_tile_rows(meta.heads_q // meta.heads_kv),
         layout_kv=meta.layout_kv, block_size=ks["s"] if paged else 0, num_blocks=ks["blk"] if paged else 0,
         table_width=width, table_stride=block_table.stride(0) if paged else 0,
@@ -404,7 +427,8 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
 
 
 def check_against_metadata(meta: AttentionMetadata, *, layout: str, mask_mode, cu_seqlens_q, cu_seqlens_kv,
-                           seqused_q, seqused_kv, layout_kv: str | None = None) -> None:
+                           seqused_q, seqused_kv, layout_kv: str | None = None, layout_out: str | None = None,
+                           layout_q_descale: str | None = None) -> None:
     """A run with ``metadata=`` must pass what the metadata was planned with: the same layout and
     mask, and length tensors alike in dtype and shape (their values are the metadata's: reading
     them again would cost a device synchronisation)."""
@@ -412,6 +436,10 @@ def check_against_metadata(meta: AttentionMetadata, *, layout: str, mask_mode, c
         raise ValueError(f"layout must be the metadata's {meta.layout!r}, got {layout!r}")
     if layout_kv is not None and layout_kv != meta.layout_kv:
         raise ValueError(f"layout_kv must be the metadata's {meta.layout_kv!r}, got {layout_kv!r}")
+    for name, value, planned in (("layout_out", layout_out, meta.out_layout),
+                                 ("layout_q_descale", layout_q_descale, meta.layout_q_descale)):
+        if value is not None and value != planned:
+            raise ValueError(f"{name} must be the metadata's {planned!r}, got {value!r}")
     if check_mask_mode(mask_mode) != meta.mask_mode:
         raise ValueError(f"mask_mode must be the metadata's {int(meta.mask_mode)}, got {mask_mode!r}")
     given = _length_signature(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
@@ -422,39 +450,66 @@ def check_against_metadata(meta: AttentionMetadata, *, layout: str, mask_mode, c
                              f"({'None' if planned is None else planned}), got {'None' if got is None else got}")
 
 
+def check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale) -> QuantMode:
+    """Static checks of one call's tensors in its mode (types, dtypes; no value read)."""
+    mode = check_quant_mode(quant_mode)
+    if mode == QuantMode.HIF8_PER_TENSOR:
+        check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale)
+    else:
+        check_scaled_run_tensors(mode, q, k, v, q_descale, k_descale, v_descale, p_scale)
+    return mode
+
+
+def check_call_scales(plan: AttentionPlan, q_descale, k_descale, v_descale, p_scale, *, read_values: bool) -> None:
+    """The descales against the plan: their shapes (modes 1 and 6: they follow the layouts and
+    lengths) always, and with ``read_values`` their values (a host read)."""
+    if plan.meta.quant_mode == QuantMode.HIF8_PER_TENSOR:
+        if read_values:
+            check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
+        return
+    check_descale_shapes(plan, q_descale, k_descale, v_descale)
+    if read_values:
+        check_scaled_values(plan, q_descale, k_descale, v_descale, p_scale)
+
+
 def plan_attention(
     q, k, v, q_descale, k_descale, v_descale, quant_mode, *, p_scale=None, layout="BNSD", cu_seqlens_q=None,
     cu_seqlens_kv=None, seqused_q=None, seqused_kv=None, attn_mask=None, mask_mode=0, softmax_scale=None,
     return_softmax_lse=False, block_table=None, sinks=None, win_left=-1, win_right=-1, max_seqlen_q=-1,
-    max_seqlen_kv=-1, layout_kv=None,
+    max_seqlen_kv=-1, layout_kv=None, layout_out=None, layout_q_descale=None,
 ) -> AttentionPlan:
     """Validate one quant_flash_attn call against the spec and derive its plan (metadata + bind).
-    ``layout_kv`` None is ``layout``; a paged one (``PA_BBND`` / ``PA_BNBD``) needs block_table."""
-    layout_kv = layout if layout_kv is None else layout_kv
+    HiF8 mode: ``layout_kv`` None is ``layout``; a paged one (``PA_BBND`` / ``PA_BNBD``) needs
+    block_table. Modes 1 and 6: ``layout`` is q's, the others their own (see ``resolve_layouts``)."""
+    mode = check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale)
+    if mode == QuantMode.HIF8_PER_TENSOR:
+        layout_kv = layout if layout_kv is None else layout_kv
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    else:
+        layouts = resolve_layouts(None, layout, layout_kv, layout_out, layout_q_descale, mode)
+        layout, layout_kv, layout_out, layout_q_descale = layouts
     paged = layout_kv in PAGED_LAYOUTS
-    check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale)
-    check_quant_mode(quant_mode)
     check_unsupported(win_left, win_right, sinks=sinks, **({} if paged else {"block_table": block_table}))
     check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                              "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
                              "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
                              "attn_mask": attn_mask, "block_table": block_table})
     if paged:
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         qs, ks = _shape_of(q, "q", layout), _paged_shape(k, "k", layout_kv)
     else:
-        qs, ks = check_shapes(q, k, v, layout)
-    tnd = layout == "TND"
+        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv)
+    packed = layout in PACKED_LAYOUTS
     meta = plan_metadata(
-        qs["n"], ks["n"], qs["d"], quant_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-        seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=None if tnd else qs["b"],
+        qs["n"], ks["n"], qs["d"], mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+        seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=None if packed else qs["b"],
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask_mode=mask_mode, layout=layout,
-        total_q=qs["s"], total_kv=None if paged else ks["s"], layout_kv=layout_kv,
+        total_q=qs["s"], total_kv=None if paged else ks["s"], layout_kv=layout_kv, layout_out=layout_out,
+        layout_q_descale=layout_q_descale,
     )
     plan = bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                 attn_mask=attn_mask, block_table=block_table)
-    check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
+    check_call_scales(plan, q_descale, k_descale, v_descale, p_scale, read_values=True)
     if paged and host_reads_are_free(plan.device):  # a table changes every decode step: never a sync
         check_block_table_values(plan, block_table)
     return plan

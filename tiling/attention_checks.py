@@ -9,13 +9,13 @@ costs no device synchronisation.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from qfa.cast import format as fmt
 from qfa.tiling.checks import check_codes, check_device, check_scalar_fp32, require_tensor
-from qfa.tiling.spec import HEAD_DIM, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
+from qfa.tiling.spec import HEAD_DIM, HEAD_DIMS, LEGACY_QUANT_MODES, MaskMode, QuantMode, default_softmax_scale
 
 if TYPE_CHECKING:
     from qfa.tiling.attention import AttentionMetadata, AttentionPlan
@@ -28,6 +28,8 @@ _PAGED_AXES = {"PA_BBND": {"blk": 0, "s": 1, "n": 2, "d": 3}, "PA_BNBD": {"blk":
 #: Paged block sizes: multiples of PAGE_MULTIPLE up to MAX_PAGE (vLLM uses 16 by default).
 PAGE_MULTIPLE = 16
 MAX_PAGE = 1024
+#: Modes 1 and 6 take upstream's block sizes only: MXFP8's v scales pair 32-key groups per block.
+SCALED_PAGE_SIZES = {QuantMode.MXFP8: (64, 128, 256, 512, 1024), QuantMode.FP8_PER_TOKEN_HEAD: (128,)}
 #: ``layout_q_descale`` of the HiF8 mode: a per-tensor scale has no layout; upstream names it so.
 Q_DESCALE_LAYOUTS = ("BSND",)
 MASK_MODES = {MaskMode.NONE: "none", MaskMode.CAUSAL: "causal (bottom-right aligned)"}
@@ -44,7 +46,10 @@ MAX_DSCALE = FP32_MAX / (HEAD_DIM * fmt.MAX**2)
 P8_OVERSHOOT = 1.25
 
 # Positions of (batch, seq, head, dim) in each layout's shape; TND has no batch axis.
-_AXES = {"BNSD": {"b": 0, "n": 1, "s": 2, "d": 3}, "BSND": {"b": 0, "s": 1, "n": 2, "d": 3}, "TND": {"s": 0, "n": 1, "d": 2}}
+_AXES = {"BNSD": {"b": 0, "n": 1, "s": 2, "d": 3}, "BSND": {"b": 0, "s": 1, "n": 2, "d": 3}, "TND": {"s": 0, "n": 1, "d": 2},
+         "NTD": {"n": 0, "s": 1, "d": 2}}
+#: Layouts whose token axis packs every sequence (cu_seqlens gives the segments; no batch axis).
+PACKED_LAYOUTS = ("TND", "NTD")
 #: Arguments that upstream has and this mode does not support yet: (name, value meaning "unused").
 _UNSUPPORTED = {
     "block_table": "paged KV needs layout_kv 'PA_BBND' or 'PA_BNBD' (and seqused_kv); got a contiguous layout_kv",
@@ -53,33 +58,56 @@ _UNSUPPORTED = {
 
 
 def check_quant_mode(quant_mode) -> QuantMode:
-    """The HiF8 per-tensor mode, from 0, ``QuantMode.HIF8_PER_TENSOR`` or the legacy 7."""
+    """The mode, from 0 / 1 / 6, a ``QuantMode``, or the legacy 7 (HiF8 per-tensor)."""
     if isinstance(quant_mode, bool) or not isinstance(quant_mode, int):
         raise TypeError(f"quant_mode must be an int or qfa's QuantMode, got {type(quant_mode).__name__} {quant_mode!r}")
     if quant_mode in LEGACY_QUANT_MODES:
         return LEGACY_QUANT_MODES[quant_mode]
-    if quant_mode != QuantMode.HIF8_PER_TENSOR:
-        known = {m.value: m.name for m in QuantMode}
-        later = f" ({known[quant_mode]}: upstream's mode, not implemented in qfa yet)" if quant_mode in known else ""
-        raise ValueError(f"quant_mode must be 0 (HiF8 per-tensor; 7 is its older number), got {quant_mode!r}{later}")
-    return QuantMode.HIF8_PER_TENSOR
+    if quant_mode not in {m.value for m in QuantMode}:
+        raise ValueError(f"quant_mode must be 0 (HiF8 per-tensor; 7 is its older number), 1 (MXFP8) or 6 (FP8 "
+                         f"per-token-head), got {quant_mode!r}")
+    return QuantMode(quant_mode)
 
 
 def check_mask_mode(mask_mode) -> MaskMode:
     if isinstance(mask_mode, bool) or not isinstance(mask_mode, int):
         raise TypeError(f"mask_mode must be an int (0 none, 3 causal), got {type(mask_mode).__name__} {mask_mode!r}")
     if mask_mode not in MASK_MODES:
-        raise ValueError(f"mask_mode must be 0 (none) or 3 (causal) in the HiF8 mode, got {mask_mode!r}")
+        raise ValueError(f"mask_mode must be 0 (none) or 3 (causal), got {mask_mode!r}")
     return MaskMode(mask_mode)
 
 
-def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale="BSND") -> tuple[str, str]:
-    """(layout of q and out, layout of k and v) for the HiF8 mode.
+class Layouts(NamedTuple):
+    """The per-operand layouts of one call, resolved and checked."""
 
-    ``layout`` is shorthand for all three per-operand layouts; an operand layout left None is
-    qfa's default ``"BNSD"``. q and out share one layout; k and v have it too, or a paged one
-    (``PA_BBND`` / ``PA_BNBD``, with ``block_table``).
+    q: str
+    kv: str
+    out: str
+    q_descale: str
+
+
+#: Modes 1 and 6: the layouts each operand may have (the first is the default), from
+#: ``quant-flash-attn-family.md``; PA_NZ is upstream's too, not qfa's yet.
+SCALED_MODE_LAYOUTS = {
+    QuantMode.MXFP8: Layouts(q=("TND",), kv=("TND", "PA_BBND", "PA_BNBD"), out=("TND",), q_descale=("TND", "N2TGD")),
+    QuantMode.FP8_PER_TOKEN_HEAD: Layouts(q=("NTD",), kv=("PA_BNBD",), out=("TND",), q_descale=("NT",)),
+}
+
+
+def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale=None,
+                    quant_mode=QuantMode.HIF8_PER_TENSOR) -> Layouts:
+    """The per-operand layouts of a call in ``quant_mode``.
+
+    HiF8 (mode 0): ``layout`` is shorthand for all three per-operand layouts; an operand layout
+    left None is qfa's default ``"BNSD"``. q and out share one layout; k and v have it too, or a
+    paged one (``PA_BBND`` / ``PA_BNBD``, with ``block_table``); ``layout_q_descale`` is
+    ``"BSND"`` (or None). Modes 1 and 6: each operand takes the layouts of
+    :data:`SCALED_MODE_LAYOUTS`, unset ones its first; ``layout`` sets q, kv and out where the
+    mode allows one layout for all three (MXFP8's ``"TND"``).
     """
+    mode = check_quant_mode(quant_mode)
+    if mode != QuantMode.HIF8_PER_TENSOR:
+        return _resolve_scaled_layouts(mode, layout, layout_q, layout_kv, layout_out, layout_q_descale)
     per_operand = {"layout_q": layout_q, "layout_kv": layout_kv, "layout_out": layout_out}
     for name, value in {"layout": layout, **per_operand}.items():
         allowed = LAYOUTS + PAGED_LAYOUTS if name == "layout_kv" else LAYOUTS
@@ -101,15 +129,37 @@ def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale="B
                              f"layout_kv (unset ones are 'BNSD'), got {resolved | {'layout_kv': kv}}")
         chosen = resolved["layout_q"]
         kv = chosen if kv not in PAGED_LAYOUTS else kv
-    if layout_q_descale not in Q_DESCALE_LAYOUTS:
+    if layout_q_descale not in Q_DESCALE_LAYOUTS + (None,):
         raise ValueError(f"layout_q_descale must be 'BSND' in the HiF8 mode (a per-tensor descale), "
                          f"got {layout_q_descale!r}")
-    return chosen, kv
+    return Layouts(q=chosen, kv=kv, out=chosen, q_descale="BSND")
 
 
-def check_softmax_scale(softmax_scale) -> float:
+def _resolve_scaled_layouts(mode: QuantMode, layout, layout_q, layout_kv, layout_out, layout_q_descale) -> Layouts:
+    allowed = SCALED_MODE_LAYOUTS[mode]
+    given = Layouts(q=layout_q, kv=layout_kv, out=layout_out, q_descale=layout_q_descale)
+    if layout is not None:
+        if not (layout in allowed.q and layout in allowed.kv and layout in allowed.out):
+            raise ValueError(f"layout={layout!r} sets layout_q, layout_kv and layout_out, but in quant_mode "
+                             f"{int(mode)} ({mode.name}) they are q {allowed.q}, kv {allowed.kv}, out {allowed.out}: "
+                             f"pass them one by one")
+        clash = {f"layout_{n}": v for n, v in given._asdict().items() if n in ("q", "out") and v not in (None, layout)}
+        if clash:
+            raise ValueError(f"layout={layout!r} sets layout_q, layout_kv and layout_out; it contradicts {clash}")
+        given = given._replace(q=layout, out=layout, kv=layout if layout_kv is None else layout_kv)
+    chosen = {}
+    for name, value in given._asdict().items():
+        options = getattr(allowed, name)
+        if value is not None and value not in options:
+            raise ValueError(f"layout_{name} must be one of {options} in quant_mode {int(mode)} ({mode.name}), "
+                             f"got {value!r}")
+        chosen[name] = options[0] if value is None else value
+    return Layouts(**chosen)
+
+
+def check_softmax_scale(softmax_scale, head_dim: int = HEAD_DIM) -> float:
     if softmax_scale is None:
-        return default_softmax_scale(HEAD_DIM)
+        return default_softmax_scale(head_dim)
     if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
@@ -145,7 +195,7 @@ def lse_shape(q_shape, layout: str) -> tuple[int, ...]:
     """Shape of the fp32 LSE for a q of ``q_shape`` in ``layout``: (B, Nq, Sq), or (Nq, Tq) for TND.
     The one place this is known: the plan, the backends and the fake kernels all ask here."""
     axes = _AXES[layout]
-    if layout == "TND":
+    if layout in PACKED_LAYOUTS:
         return (q_shape[axes["n"]], q_shape[axes["s"]])
     return (q_shape[axes["b"]], q_shape[axes["n"]], q_shape[axes["s"]])
 
@@ -175,24 +225,31 @@ def check_heads(nq: int, nkv: int) -> None:
         raise ValueError(f"GQA group Nq/Nkv must be <= {MAX_GROUP}, got {nq // nkv}")
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[dict, dict]:
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                 head_dims: tuple[int, ...] = (HEAD_DIM,), layout_kv: str | None = None) -> tuple[dict, dict]:
     """The op's static shape rules: rank per layout, D = 128, k and v alike, head counts, GQA,
     one batch size. Shared with the drop-in, which checks float q/k/v before quantising them.
     Returns q's and k's sizes by axis name (``b``, ``n``, ``s``, ``d``)."""
-    if layout not in LAYOUTS:
+    if layout not in _AXES:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout), _shape_of(v, "v", layout)
+    layout_kv = layout if layout_kv is None else layout_kv
+    qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout_kv), _shape_of(v, "v", layout_kv)
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    for shape, name in ((qs, "q"), (ks, "k"), (vs, "v")):
-        if shape["d"] != HEAD_DIM:
-            raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
+    _check_head_dims(head_dims, (qs, "q"), (ks, "k"), (vs, "v"))
     check_heads(qs["n"], ks["n"])
-    if layout != "TND":
+    if layout not in PACKED_LAYOUTS:
         for shape, name in ((ks, "k"), (vs, "v")):
             if shape["b"] != qs["b"]:
                 raise ValueError(f"batch size of {name} must equal q's ({qs['b']}), got {shape['b']}")
     return qs, ks
+
+
+def _check_head_dims(head_dims: tuple[int, ...], *shapes) -> None:
+    for shape, name in shapes:
+        if shape["d"] not in head_dims:
+            expected = head_dims[0] if len(head_dims) == 1 else f"one of {head_dims}"
+            raise ValueError(f"head dim D of {name} must be {expected}, got {shape['d']}")
 
 
 def _check_attn_mask(attn_mask, mask_mode: MaskMode) -> None:
@@ -293,12 +350,14 @@ def _check_paged(meta: AttentionMetadata, q, k, v, block_table, qs: dict, batch:
     _paged_shape(v, "v", meta.layout_kv)
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    for shape, name in ((qs, "q"), (ks, "k")):
-        if shape["d"] != HEAD_DIM:
-            raise ValueError(f"head dim D of {name} must be {HEAD_DIM}, got {shape['d']}")
+    _check_head_dims(HEAD_DIMS[meta.quant_mode], (qs, "q"), (ks, "k"))
     check_heads(qs["n"], ks["n"])
     page = ks["s"]
-    if not (0 < page <= MAX_PAGE and page % PAGE_MULTIPLE == 0):
+    if meta.quant_mode in SCALED_PAGE_SIZES:
+        if page not in SCALED_PAGE_SIZES[meta.quant_mode]:
+            raise ValueError(f"block size of paged k/v must be one of {SCALED_PAGE_SIZES[meta.quant_mode]} in "
+                             f"quant_mode {int(meta.quant_mode)} ({meta.quant_mode.name}), got {page}")
+    elif not (0 < page <= MAX_PAGE and page % PAGE_MULTIPLE == 0):
         raise ValueError(f"block size of paged k/v must be a multiple of {PAGE_MULTIPLE} up to {MAX_PAGE}, got {page}")
     if block_table is None:
         raise ValueError(f"layout_kv {meta.layout_kv!r} needs block_table (int32, (B, max blocks per sequence))")

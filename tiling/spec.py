@@ -31,8 +31,18 @@ class MaskMode(enum.IntEnum):
     CAUSAL = 3  # aligned bottom-right with the per-batch lengths
 
 
-#: The head size of q, k and v in the HiF8 mode.
+#: The head size of q, k and v in the HiF8 mode (and the FP8 mode).
 HEAD_DIM = 128
+#: Head sizes each mode takes (``quant-flash-attn-family.md``).
+HEAD_DIMS = {QuantMode.HIF8_PER_TENSOR: (HEAD_DIM,), QuantMode.MXFP8: (64, 72, 128, 256),
+             QuantMode.FP8_PER_TOKEN_HEAD: (HEAD_DIM,)}
+#: Keys per online-softmax block: it changes the numbers (P is quantised relative to the running
+#: max), so it is part of each mode's spec. HiF8: 256, upstream's. MXFP8 / FP8: upstream's value
+#: is not public; its HiF8 tiling notes say HiF8 uses 256-key blocks "instead of 512", which
+#: points to 512 for the other modes, so qfa uses 512 there.
+KEY_BLOCK = {QuantMode.HIF8_PER_TENSOR: 256, QuantMode.MXFP8: 512, QuantMode.FP8_PER_TOKEN_HEAD: 512}
+#: Channels per q/k scale and keys per v scale in the MXFP8 mode (OCP MX blocks of 32).
+MX_GROUP = 32
 #: Floating dtypes the cast and the drop-in take.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

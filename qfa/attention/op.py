@@ -33,7 +33,7 @@ def quant_flash_attn_metadata(
     win_left: int = -1,
     win_right: int = -1,
     layout_q: str | None = None,
-    layout_q_descale: str = "BSND",
+    layout_q_descale: str | None = None,
     layout_kv: str | None = None,
     layout_out: str | None = None,
     is_grad_enabled: bool = False,
@@ -47,13 +47,13 @@ def quant_flash_attn_metadata(
     a run must be alike (dtype, shape) to those planned with; their values are not read again.
     Layouts as in :func:`quant_flash_attn` (``layout`` sets all three; default ``"BNSD"``).
     """
-    chosen, chosen_kv = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    layouts = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale, quant_mode)
     return tiling.plan_metadata(
         num_heads_q, num_heads_kv, head_dim, quant_mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
         seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=batch_size, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, head_dim_v=head_dim_v, mask_mode=mask_mode, win_left=win_left,
-        win_right=win_right, layout=chosen, layout_q_descale=layout_q_descale, is_grad_enabled=is_grad_enabled,
-        layout_kv=chosen_kv,
+        win_right=win_right, layout=layouts.q, layout_q_descale=layouts.q_descale, is_grad_enabled=is_grad_enabled,
+        layout_kv=layouts.kv, layout_out=layouts.out,
     )
 
 
@@ -82,7 +82,7 @@ def quant_flash_attn(
     max_seqlen_q: int = -1,
     max_seqlen_kv: int = -1,
     layout_q: str | None = None,
-    layout_q_descale: str = "BSND",
+    layout_q_descale: str | None = None,
     layout_kv: str | None = None,
     layout_out: str | None = None,
     return_softmax_lse: bool = False,
@@ -129,7 +129,8 @@ def quant_flash_attn(
         ``(out, lse)``: out is bf16 in q's layout and shape, rounded half away from zero. Rows
         that see no key (padding, or the first Sq - Skv rows of a causal call) give 0 and lse +inf.
     """
-    chosen, chosen_kv = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    layouts = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale, quant_mode)
+    chosen, chosen_kv = layouts.q, layouts.kv
     if metadata is None:
         plan = plan_attention(
             q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale=p_scale, layout=chosen,
@@ -137,15 +138,20 @@ def quant_flash_attn(
             attn_mask=attn_mask, mask_mode=mask_mode, softmax_scale=softmax_scale,
             return_softmax_lse=return_softmax_lse, block_table=block_table, sinks=sinks, win_left=win_left,
             win_right=win_right, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, layout_kv=chosen_kv,
+            layout_out=layouts.out, layout_q_descale=layouts.q_descale,
         )
     else:
         plan = _plan_from_metadata(
-            metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, chosen, chosen_kv, cu_seqlens_q,
+            metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, layouts, cu_seqlens_q,
             cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale, return_softmax_lse,
             block_table, sinks, win_left, win_right, max_seqlen_q, max_seqlen_kv,
         )
     if plan.device.type == "meta":  # shapes only, as a meta tensor promises
         return plan.new_outputs()
+    if plan.meta.quant_mode != QuantMode.HIF8_PER_TENSOR:
+        with torch.no_grad():
+            return _scaled_backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale,
+                                                          block_table=block_table)
     q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
     with torch.no_grad():  # an inference op: a descale that requires grad must not build a graph
         kernel = _backend(plan, backend)
@@ -167,8 +173,17 @@ def _backend(plan: AttentionPlan, requested: str | None):
     return kernel
 
 
-def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, layout,
-                        layout_kv, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale,
+def _scaled_backend(plan: AttentionPlan, requested: str | None):
+    """Modes 1 and 6: the Triton kernel on devices, the torch path on CPU (no native kernel)."""
+    if backends.resolve(plan.device, requested) == "triton":
+        from qfa.kernels import scaled_attention as kernel
+    else:
+        from qfa.attention import scaled_torch_path as kernel
+    return kernel
+
+
+def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quant_mode, p_scale, layouts,
+                        cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, attn_mask, mask_mode, softmax_scale,
                         return_softmax_lse, block_table, sinks, win_left, win_right, max_seqlen_q,
                         max_seqlen_kv) -> AttentionPlan:
     """The plan of a run with ready metadata: static checks only, no host read on devices."""
@@ -177,23 +192,24 @@ def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quan
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must come from qfa.quant_flash_attn_metadata (or be an AttentionPlan), "
                         f"got {type(metadata).__name__}")
-    tiling.check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale)
     if tiling.check_quant_mode(quant_mode) != metadata.quant_mode:
         raise ValueError(f"quant_mode must be the metadata's {int(metadata.quant_mode)}, got {quant_mode!r}")
+    tiling.check_call_tensors(metadata.quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale)
     tiling.check_unsupported(win_left, win_right, sinks=sinks)
     for value, planned, name in ((max_seqlen_q, metadata.max_seqlen_q, "max_seqlen_q"),
                                  (max_seqlen_kv, metadata.max_seqlen_kv, "max_seqlen_kv")):
         if value not in (-1, planned):
             raise ValueError(f"{name} must be -1 or the metadata's {planned}, got {value!r}")
-    tiling.check_against_metadata(metadata, layout=layout, mask_mode=mask_mode, cu_seqlens_q=cu_seqlens_q,
+    tiling.check_against_metadata(metadata, layout=layouts.q, mask_mode=mask_mode, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
-                                  layout_kv=layout_kv)
+                                  layout_kv=layouts.kv, layout_out=layouts.out, layout_q_descale=layouts.q_descale)
     tiling.check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                                      "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
     plan = tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                        attn_mask=attn_mask, block_table=block_table)
+    tiling.check_call_scales(plan, q_descale, k_descale, v_descale, p_scale,
+                             read_values=tiling.host_reads_are_free(q.device))
     if tiling.host_reads_are_free(q.device):
-        tiling.check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
         if plan.paged:
             tiling.check_block_table_values(plan, block_table)
     return plan

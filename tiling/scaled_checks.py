@@ -1,0 +1,133 @@
+"""The argument rules of quant_mode 1 (MXFP8) and 6 (FP8 E4M3 per-token-head).
+
+Shapes, dtypes and layouts are from ``shared/docs/quant-flash-attn-family.md``; the value
+checks (``check_scaled_values``) are host reads, done where they cost no device synchronisation,
+and guard the ranges the numerics handle, as :func:`qfa.tiling.attention_checks.check_scale_values`
+does for the HiF8 mode. Every message names the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from qfa.cast.fp8 import E4M3, E4M3_MAX
+from qfa.cast.mxfp8 import E8M0, E8M0_BIAS, E8M0_NAN_CODE, PAIR, VALUES_PER_PAIR
+from qfa.tiling.checks import check_scalar_fp32, require_tensor
+from qfa.tiling.spec import QuantMode
+
+if TYPE_CHECKING:
+    from qfa.tiling.attention import AttentionPlan
+
+FP32_MAX = torch.finfo(torch.float32).max
+#: Valid p_scale in modes 1 and 6: FIA's documented range (P lands in (0, p_scale] on the E4M3
+#: grid). Values on the grid (1, 104, 448) avoid the rounding midpoints the doc warns about.
+E4M3_P_SCALE_RANGE = (1.0, E4M3_MAX)
+#: The largest E8M0 code whose scale keeps every E4M3 element finite in fp32: 448 * 2^119 < 2^128.
+MAX_FINITE_E8M0 = E8M0_BIAS + 119
+
+
+def check_scaled_run_tensors(mode: QuantMode, q, k, v, q_descale, k_descale, v_descale, p_scale) -> None:
+    """Static checks of a mode 1 / 6 call's tensors: types and dtypes (no value read)."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        require_tensor(t, name)
+        if t.dtype != E4M3:
+            raise TypeError(f"{name} must be torch.float8_e4m3fn in quant_mode {int(mode)} ({mode.name}), got {t.dtype}")
+    scale_dtype = E8M0 if mode == QuantMode.MXFP8 else torch.float32
+    hint = " (qfa.cast.mxfp8.quantize and pack_*_descale make them)" if mode == QuantMode.MXFP8 else ""
+    for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):
+        require_tensor(t, name)
+        if t.dtype != scale_dtype:
+            raise TypeError(f"{name} must be {scale_dtype} in quant_mode {int(mode)} ({mode.name}){hint}, got {t.dtype}")
+    if p_scale is not None:
+        check_scalar_fp32(p_scale, "p_scale")
+
+
+def kv_segment_lengths(plan: AttentionPlan) -> tuple[int, ...]:
+    """TND k/v: each sequence's stored token count (its cu_seqlens_kv segment, seqused aside)."""
+    ends = tuple(plan.kv_starts[1:]) + (plan.meta.total_kv,)
+    return tuple(e - s for s, e in zip(plan.kv_starts, ends))
+
+
+def descale_shapes(plan: AttentionPlan) -> dict[str, tuple[int, ...]]:
+    """The shapes q_descale, k_descale and v_descale must have for ``plan`` (mode 1 or 6)."""
+    meta = plan.meta
+    nq, nkv, d = plan.heads_q, plan.heads_kv, plan.head_dim
+    tq = meta.total_q
+    if meta.quant_mode == QuantMode.FP8_PER_TOKEN_HEAD:
+        return {"q_descale": (nq, tq), "k_descale": (plan.num_blocks, nkv, plan.block_size), "v_descale": (nkv,)}
+    pairs = -(-d // VALUES_PER_PAIR)
+    q_shape = (tq, nq, pairs, PAIR) if meta.layout_q_descale == "TND" else (nkv, tq, plan.group, pairs, PAIR)
+    if meta.layout_kv == "TND":
+        k_shape = (meta.total_kv, nkv, pairs, PAIR)
+        v_shape = (sum(-(-n // VALUES_PER_PAIR) for n in kv_segment_lengths(plan)), nkv, d, PAIR)
+    else:
+        bn, bs = plan.num_blocks, plan.block_size
+        k_shape = (bn, bs, nkv, pairs, PAIR) if meta.layout_kv == "PA_BBND" else (bn, nkv, bs, pairs, PAIR)
+        v_shape = ((bn, bs // VALUES_PER_PAIR, nkv, d, PAIR) if meta.layout_kv == "PA_BBND"
+                   else (bn, nkv, bs // VALUES_PER_PAIR, d, PAIR))
+    return {"q_descale": q_shape, "k_descale": k_shape, "v_descale": v_shape}
+
+
+def check_descale_shapes(plan: AttentionPlan, q_descale, k_descale, v_descale) -> None:
+    layouts = {"q_descale": plan.meta.layout_q_descale, "k_descale": plan.meta.layout_kv,
+               "v_descale": plan.meta.layout_kv}
+    for (name, expected), t in zip(descale_shapes(plan).items(), (q_descale, k_descale, v_descale)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have shape {expected} in quant_mode {int(plan.meta.quant_mode)} "
+                             f"({plan.meta.quant_mode.name}, layout {layouts[name]}), got {tuple(t.shape)}")
+
+
+def _e8m0_max(t: torch.Tensor, name: str) -> int:
+    """The largest finite-scale code of ``t`` (NaN scales mark NaN blocks and are allowed)."""
+    codes = t.view(torch.uint8)
+    finite = codes[codes != E8M0_NAN_CODE]
+    top = int(finite.max()) if finite.numel() else 0
+    if top > MAX_FINITE_E8M0:
+        raise ValueError(f"{name} must hold E8M0 scales <= 2^{MAX_FINITE_E8M0 - E8M0_BIAS} (code {MAX_FINITE_E8M0}; "
+                         f"beyond it 448 * scale overflows fp32), got 2^{top - E8M0_BIAS} (code {top})")
+    return top - E8M0_BIAS
+
+
+def _fp32_scale_max(t: torch.Tensor, name: str) -> float:
+    """The largest of fp32 scales that must be > 0 and finite, or NaN (a NaN group's scale)."""
+    known = t[~torch.isnan(t)]
+    if known.numel() and not (torch.isfinite(known).all() and (known > 0).all()):
+        bad = known[~(torch.isfinite(known) & (known > 0))][0].item()
+        raise ValueError(f"{name} must hold finite scales > 0 (or NaN, for a group that held NaN/Inf), got {bad:g}")
+    return float(known.max()) if known.numel() else 1.0
+
+
+def check_scaled_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_scale) -> None:
+    """The values of a mode 1 / 6 call's scales (host reads; done on CPU, and on devices when a
+    call plans without ready metadata):
+
+    * p_scale in [1, 448] (FIA's range);
+    * MXFP8: every E8M0 scale <= 2^119, so no element overflows fp32 when scaled;
+    * FP8: every fp32 scale finite and > 0, or NaN (the quantiser's mark of a group with NaN/Inf);
+    * |S| * softmax_scale <= 448^2 * D * max q scale * max k scale * softmax_scale <= FLT_MAX / 2,
+      so no scaled score overflows before the running max is subtracted;
+    * 448 * p_scale * max v scale * max Skv <= FLT_MAX, so P8 @ V cannot overflow.
+    """
+    if plan.device.type == "meta":
+        return
+    p = 1.0 if p_scale is None else float(p_scale.item())
+    if not (math.isfinite(p) and E4M3_P_SCALE_RANGE[0] <= p <= E4M3_P_SCALE_RANGE[1]):
+        raise ValueError(f"p_scale must be in [1, 448] in quant_mode {int(plan.meta.quant_mode)} (P lies in "
+                         f"(0, p_scale] on the E4M3 grid), got {p:g}")
+    if plan.meta.quant_mode == QuantMode.MXFP8:
+        q_max, k_max, v_max = (2.0 ** _e8m0_max(t, n) for t, n in
+                               ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+    else:
+        q_max, k_max, v_max = (_fp32_scale_max(t, n) for t, n in
+                               ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+    score = E4M3_MAX**2 * plan.head_dim * q_max * k_max * plan.softmax_scale
+    if score > FP32_MAX / 2:
+        raise ValueError(f"q_descale and k_descale are too large for fp32 scores: 448^2 * D * max q scale * max k "
+                         f"scale * softmax_scale = {score:.3g} > FLT_MAX / 2")
+    out = E4M3_MAX * p * v_max * max(max(plan.kv_lens, default=1), 1)
+    if out > FP32_MAX:
+        raise ValueError(f"v_descale is too large for this call: 448 * p_scale * max v scale * max Skv = {out:.3g} "
+                         f"> FLT_MAX (P8 @ V would overflow fp32)")
