@@ -51,30 +51,39 @@ def to_bf16_round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.full_like(rounded, float("nan")), rounded)
 
 
-def _softmax_block(s, m, l, dscale, ln_p, last_key=None):
-    """One 256-key block of the online softmax on the rows of ``s``.
+def softmax_block_for(round_p):
+    """The online-softmax step of one key block, with P rounded to the 8-bit grid by
+    ``round_p`` (fp32 -> fp32 values): HiF8 here, E4M3 in modes 1 and 6."""
 
-    ``last_key`` (causal blocks that cross the diagonal): per row, the last column it may see;
-    the others count as -inf. Returns (HiF8(P), alpha, m_new, l_new) and modifies nothing, so an
-    eager retry of a failed compiled call cannot apply an update twice.
-    """
-    hidden = None
-    if last_key is not None:
-        # Built here from an index ramp rather than passed in as a bool tensor, and applied to
-        # the exponent and P rather than as -inf scores: a bool load, or an exp that meets -inf
-        # or overflows, drops the compiled loop off its fast vectorised path.
-        hidden = torch.arange(s.shape[-1], device=s.device) > last_key.unsqueeze(-1)
-    row_max = (s if hidden is None else s.masked_fill(hidden, float("-inf"))).amax(dim=-1)
-    m_new = torch.maximum(m, row_max * dscale - ln_p)
-    # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
-    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-    exponent = s * dscale - m_safe.unsqueeze(-1)
-    if hidden is None:
-        p = torch.exp(exponent)
-    else:
-        p = torch.exp(exponent.masked_fill(hidden, 0.0)).masked_fill(hidden, 0.0)
-    alpha = torch.exp(m - m_safe)
-    return round_to_hif8(p), alpha, m_new, alpha * l + p.sum(dim=-1)
+    def softmax_block(s, m, l, dscale, ln_p, last_key=None):
+        """One key block of the online softmax on the rows of ``s``.
+
+        ``last_key`` (causal blocks that cross the diagonal): per row, the last column it may see;
+        the others count as -inf. Returns (P8, alpha, m_new, l_new) and modifies nothing, so an
+        eager retry of a failed compiled call cannot apply an update twice.
+        """
+        hidden = None
+        if last_key is not None:
+            # Built here from an index ramp rather than passed in as a bool tensor, and applied to
+            # the exponent and P rather than as -inf scores: a bool load, or an exp that meets -inf
+            # or overflows, drops the compiled loop off its fast vectorised path.
+            hidden = torch.arange(s.shape[-1], device=s.device) > last_key.unsqueeze(-1)
+        row_max = (s if hidden is None else s.masked_fill(hidden, float("-inf"))).amax(dim=-1)
+        m_new = torch.maximum(m, row_max * dscale - ln_p)
+        # Rows that have seen no key yet keep m = -inf; subtract 0 there so exp gives 0, not NaN.
+        m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        exponent = s * dscale - m_safe.unsqueeze(-1)
+        if hidden is None:
+            p = torch.exp(exponent)
+        else:
+            p = torch.exp(exponent.masked_fill(hidden, 0.0)).masked_fill(hidden, 0.0)
+        alpha = torch.exp(m - m_safe)
+        return round_p(p), alpha, m_new, alpha * l + p.sum(dim=-1)
+
+    return softmax_block
+
+
+_softmax_block = softmax_block_for(round_to_hif8)
 
 
 def _pv_with_specials(p8: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
