@@ -509,3 +509,10 @@ def test_e4m3_round_is_the_grid_rule():
     got = m16.e4m3_round(x)
     assert np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want))
     assert ref.bf16_round_half_away is m16.bf16_round_half_away  # one bf16 rule for every mode
+
+
+def test_an_empty_axis_has_no_blocks():
+    """A sequence with no keys (TND v of length 0) quantises to no elements and no scales."""
+    elements, scales = mxfp8.quantize(torch.zeros(0, 2, 64), 0)
+    assert elements.shape == (0, 2, 64) and scales.shape == (0, 2, 64) and scales.dtype == mxfp8.E8M0
+    assert mxfp8.quantize(torch.zeros(3, 0, 64), -1)[1].shape == (3, 0, 2)

@@ -109,6 +109,9 @@ def quantize(x: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch.Tenso
     nb = blocks(n)
     x32 = x.to(torch.float32).movedim(axis, -1)
     lead = x32.shape[:-1]
+    if x32.numel() == 0:  # an empty axis (e.g. a sequence with no keys) has no blocks
+        empty = torch.empty((*lead, nb), dtype=torch.uint8, device=x.device)
+        return x.to(E4M3), _as_e8m0(empty.movedim(-1, axis).contiguous())
     # Zero padding (a copy only for a tail block): it changes no block's amax and is cut off below.
     padded = torch.nn.functional.pad(x32, (0, nb * BLOCK - n)) if n % BLOCK else x32
     values, code = run(_blocks, padded.reshape(-1, nb, BLOCK))
