@@ -1,5 +1,6 @@
-"""``quant_flash_attn`` and ``quant_flash_attn_metadata``: QuantFlashAttn in HiF8 per-tensor mode
-(quant_mode 0; 7 is its older number), with upstream's current argument names."""
+"""``quant_flash_attn`` and ``quant_flash_attn_metadata``: QuantFlashAttn with upstream's current
+argument names, in its three modes: HiF8 per-tensor (quant_mode 0; 7 is its older number), MXFP8
+(1) and FP8 E4M3 per-token-head (6)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,28 @@ def quant_flash_attn(
     layout: str | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention on HiF8 Q/K/V with fp32 per-tensor descales; bf16 output.
+    """Attention on 8-bit Q/K/V with their descales; bf16 output.
+
+    The arguments below describe the HiF8 mode (quant_mode 0). Modes 1 and 6 take what
+    ``shared/docs/quant-flash-attn-family.md`` lists (all checked, with the mode named in errors):
+
+    * quant_mode 1, MXFP8: q, k, v ``torch.float8_e4m3fn``; q and out TND; k/v TND (with
+      ``cu_seqlens_kv``) or paged ``PA_BBND`` / ``PA_BNBD`` (block size 64 .. 1024, a power of
+      two); D in {64, 72, 128, 256}; E8M0 (``torch.float8_e8m0fnu``) descales in upstream's
+      paired layouts: q_descale (Tq, Nq, ceil(D/64), 2) (``layout_q_descale="TND"``) or
+      (Nkv, Tq, G, ceil(D/64), 2) (``"N2TGD"``), k_descale per key and 32 channels, v_descale per
+      channel and 32 keys of each sequence (``qfa.cast.mxfp8.quantize`` and ``pack_*_descale``
+      make them). TND v_descale counts each sequence's stored keys (its cu_seqlens_kv segment).
+    * quant_mode 6, FP8 per-token-head: q ``float8_e4m3fn`` in ``NTD`` (Nq, Tq, 128) with fp32
+      q_descale (Nq, Tq) (``layout_q_descale="NT"``); k, v paged ``PA_BNBD`` (blocks, Nkv, 128,
+      128) with fp32 k_descale (blocks, Nkv, 128) and v_descale (Nkv,); out TND
+      (``qfa.cast.fp8.quantize_per_token_head`` / ``quantize_per_head``).
+
+    In both, P is cast to E4M3 (nearest even, saturating at 448) with ``p_scale`` in [1, 448]:
+    prefer values on the E4M3 grid (1, 104, 448), since a p_scale on a rounding midpoint (100)
+    makes each row's largest P depend on exp's last bit. Softmax blocks are 512 keys
+    (``qfa.tiling.spec.KEY_BLOCK``). Unset layouts are the mode's defaults. They run on the torch
+    path on CPU (:mod:`qfa.attention.scaled_torch_path`) and the Triton kernel on devices.
 
     Args:
         q, k, v: HiF8 codes (``torch.uint8``, or ``torch_npu.hifloat8``) in one layout:
