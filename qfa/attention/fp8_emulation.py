@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from qfa.attention import rotation
+from qfa.cast.fp8 import E4M3, E4M3_MAX
 from qfa.tiling.spec import default_softmax_scale
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 _ROW_CHUNK = 1024
 
 
