@@ -27,7 +27,7 @@ import torch
 from qfa.attention import calibration as cal
 from qfa.attention import rotation
 from qfa.attention.dropin_inputs import p_scale_tensor
-from qfa.attention.op import quant_flash_attn
+from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
 from qfa.attention.smoothing import lse_shift
 from qfa.serving.hif8_cache import CacheHandle, HiF8Cache, HiF8Layer
 from qfa.tiling.checks import check_bool, check_float_tensor, check_positive_float
@@ -105,38 +105,63 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
         raise ValueError(f"query has {sq} tokens but layer {layer_idx} holds {layer.seen}; update the cache first")
     mask = _key_mask(attention_mask, b, layer.seen)
     layer.commit(None if mask is None else mask[:, layer.seen - layer.pending:])
-    rows = [torch.arange(sq, device=query.device)] * b if mask is None else \
-        [torch.nonzero(mask[i, layer.seen - sq:], as_tuple=True)[0] for i in range(b)]
-    counts = [int(r.numel()) for r in rows]
-    out = query.new_zeros(b, sq, nq, d)
-    lse = torch.full((b, nq, sq), float("inf"), dtype=torch.float32, device=query.device)
+    if mask is None:  # every query real: each sequence's rows are all of its Sq
+        rows, counts = None, [sq] * b
+    else:
+        rows = [torch.nonzero(mask[i, layer.seen - sq:], as_tuple=True)[0] for i in range(b)]
+        counts = [int(r.numel()) for r in rows]
     if layer.k_scale is None or max(counts) == 0:  # no stored key, or no real query
+        out = query.new_zeros(b, sq, nq, d)
+        lse = torch.full((b, nq, sq), float("inf"), dtype=torch.float32, device=query.device)
         return (out, lse) if return_softmax_lse else out
-    q_seq = [query[i][:, r] for i, r in enumerate(rows)]  # (Nq, n_i, D): each sequence on its own
+    # (Nq, n_i, D) contiguous: each sequence on its own
+    q_seq = [query[i].contiguous() if rows is None else query[i][:, r] for i, r in enumerate(rows or [None] * b)]
     q_rot = [rotation.rotate(t) if layer.rotate else t.float() for t in q_seq]
     q_scale = layer.q_scale
     if q_scale is None:
-        q_scale = cal.check_scale(layer.rule(torch.cat([t.reshape(-1) for t in q_rot])),
-                                  "q scale from the calibration rule")
+        flat = q_rot[0].reshape(-1) if b == 1 else torch.cat([t.reshape(-1) for t in q_rot])
+        q_scale = cal.check_scale(layer.rule(flat), "q scale from the calibration rule")
     width = max(counts)
-    q_codes = torch.zeros(b, nq, width, d, dtype=torch.uint8, device=query.device)
-    for i, t in enumerate(q_rot):
-        q_codes[i, :, :counts[i]] = cal.quantize(t, q_scale)
+    if all(c == width for c in counts):
+        q_codes = torch.stack([cal.quantize(t, q_scale) for t in q_rot]) if b > 1 else cal.quantize(q_rot[0], q_scale)[None]
+    else:
+        q_codes = torch.zeros(b, nq, width, d, dtype=torch.uint8, device=query.device)
+        for i, t in enumerate(q_rot):
+            q_codes[i, :, :counts[i]] = cal.quantize(t, q_scale)
+    mask_mode = MaskMode.CAUSAL if is_causal else MaskMode.NONE
+    seqused_q = torch.tensor(counts, dtype=torch.int32, device=query.device)
+    seqused_kv = layer.lengths.to(torch.int32)
+    key = (tuple(counts), layer.host_lengths, nq, layer.keys.shape[1], int(mask_mode), query.device)
+    metadata = cache.shared_plan(key, lambda: quant_flash_attn_metadata(
+        nq, layer.keys.shape[1], layout="BNSD", seqused_q=seqused_q, seqused_kv=seqused_kv, mask_mode=mask_mode))
     o, l = quant_flash_attn(
         q_codes, layer.keys, layer.values, q_scale, layer.k_scale, layer.v_scale, QuantMode.HIF8_PER_TENSOR,
-        p_scale=p_scale_tensor(p_scale, query.device), layout="BNSD",
-        seqused_q=torch.tensor(counts, dtype=torch.int32, device=query.device),
-        seqused_kv=layer.lengths.to(torch.int32), mask_mode=MaskMode.CAUSAL if is_causal else MaskMode.NONE,
-        softmax_scale=scale, return_softmax_lse=return_softmax_lse, backend=backend,
+        p_scale=p_scale_tensor(p_scale, query.device), layout="BNSD", seqused_q=seqused_q, seqused_kv=seqused_kv,
+        metadata=metadata, mask_mode=mask_mode, softmax_scale=scale, return_softmax_lse=return_softmax_lse,
+        backend=backend,
     )
-    for i, r in enumerate(rows):
+    full = rows is None or all(c == sq for c in counts)
+    out = None if full else query.new_zeros(b, sq, nq, d)
+    lse = None if full else torch.full((b, nq, sq), float("inf"), dtype=torch.float32, device=query.device)
+    outs, lses = [], []
+    for i in range(b):
         o_i = o[i, :, :counts[i]]
-        o_i = rotation.rotate(o_i) if layer.rotate else o_i
-        out[i, r] = o_i.transpose(0, 1).to(query.dtype)  # H is its own inverse
+        o_i = rotation.rotate(o_i) if layer.rotate else o_i  # H is its own inverse
+        o_i = o_i.transpose(0, 1).to(query.dtype)
+        l_i = None
         if return_softmax_lse:
             l_i = l[i, :, :counts[i]]
             if layer.k_mean is not None:  # the scores were q.(k - mu): add q.mu back
                 shift = lse_shift(q_seq[i][None], layer.k_mean[i][None], "BNSD", None, scale)[0]
                 l_i = torch.where(torch.isinf(l_i), l_i, l_i + shift)
-            lse[i][:, r] = l_i
+        if full:
+            outs.append(o_i)
+            lses.append(l_i)
+        else:
+            out[i, rows[i]] = o_i
+            if return_softmax_lse:
+                lse[i][:, rows[i]] = l_i
+    if full:
+        out = torch.stack(outs)  # (B, Sq, Nq, D), contiguous
+        lse = torch.stack(lses) if return_softmax_lse else None
     return (out, lse) if return_softmax_lse else out

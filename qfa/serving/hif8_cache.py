@@ -18,6 +18,11 @@ Tokens are stored *compacted*: sequence b's valid tokens occupy positions [0, le
 row, in order, whatever the left or right padding of the input was. So the op reads the codes in
 place, BNSD with ``seqused_kv``, and a decode step never gathers or re-encodes the cache.
 
+The code tensors have room to spare: when an append does not fit, they grow to the tokens needed
+plus 1/:data:`GROWTH_DIVISOR` of them, so a decode step writes its token in place and the tensors
+are reallocated O(log n) times over n tokens. :meth:`HiF8Layer.nbytes` counts what is allocated,
+at most 1/32 more than what is used.
+
 Encoding waits for the attention call. ``update`` (which transformers calls before attention,
 without the attention mask) only queues the new float K/V and returns placeholder tensors
 (:class:`CacheHandle`) that lead the attention function to the cache;
@@ -28,7 +33,7 @@ is given and runs attention on the codes. The placeholders hold no data: any oth
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -41,6 +46,11 @@ from qfa.tiling.checks import check_bool, check_float_tensor
 from qfa.tiling.spec import HEAD_DIM
 
 ScaleTriple = tuple  # (q_scale | None, k_scale | None, v_scale | None)
+
+#: Headroom of a growth: the code tensors grow to n + n // GROWTH_DIVISOR tokens when n do not fit.
+#: Geometric, so appends are amortised O(1); 1/32 keeps the bytes held within 3.2 % of those used
+#: (a 2048-token prefill plus decode holds 2112 tokens: 0.516x a bf16 DynamicCache, the claim <= 0.52x).
+GROWTH_DIVISOR = 32
 
 #: What may be done with a :class:`CacheHandle`: read its metadata.
 _HANDLE_METADATA = {
@@ -87,8 +97,9 @@ class HiF8Layer(DynamicLayer):
 
     Attributes:
         keys, values: uint8 (B, Nkv, max length, 128) codes; sequence b's valid tokens are
-            positions [0, lengths[b]); past them the codes are 0 and never read.
-        lengths: int64 (B,) stored tokens per sequence.
+            positions [0, lengths[b]); past them the codes are 0 and never read. Views of the
+            first max(lengths) positions of tensors with room for :attr:`capacity` tokens.
+        lengths: int64 (B,) stored tokens per sequence (:attr:`host_lengths`: the same, a tuple).
         q_scale: static fp32 (1,) q scale, or None (the query is scaled per call by the rule).
         k_scale, v_scale: fp32 (1,) scales, fixed by the first tokens (or given).
         k_mean: fp32 (B, Nkv, 128) frozen per-sequence key means (``smooth_k``), else None.
@@ -107,6 +118,8 @@ class HiF8Layer(DynamicLayer):
         self._given = _scale_triple(scales)
         self.k_mean: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
+        self.host_lengths: tuple[int, ...] = ()
+        self._k_store = self._v_store = None  # (B, Nkv, capacity, 128): keys / values are views of them
         self.seen = 0  # token columns passed to update (padding included): transformers' length
         self._saturated_k = self._saturated_v = 0  # device tensors once counted: read on demand
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -125,6 +138,11 @@ class HiF8Layer(DynamicLayer):
         return self.saturated_k + self.saturated_v
 
     @property
+    def capacity(self) -> int:
+        """Tokens per sequence the allocated code tensors hold (``keys.shape[2]`` of them used)."""
+        return 0 if self._k_store is None else self._k_store.shape[2]
+
+    @property
     def pending(self) -> int:
         """Token columns given to ``update`` and not yet encoded (done by the attention call)."""
         return sum(k.shape[2] for k, _ in self._pending)
@@ -137,9 +155,8 @@ class HiF8Layer(DynamicLayer):
                                  f"size), got {tuple(t.shape)}")
         b, n, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.keys = torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device)
-        self.values = torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device)
-        self.lengths = torch.zeros(b, dtype=torch.long, device=self.device)
+        self._set_store(torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device),
+                        torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device), (0,) * b)
         q, k, v = self._given
         self.q_scale = None if q is None else cal.check_scale(q, "q_scale", self.device)
         self.k_scale = None if k is None else cal.check_scale(k, "k_scale", self.device)
@@ -174,16 +191,19 @@ class HiF8Layer(DynamicLayer):
         v = torch.cat([p[1] for p in self._pending], dim=2)
         self._pending = []
         b, _, s, _ = k.shape
-        if valid is None:
-            valid = torch.ones(b, s, dtype=torch.bool, device=k.device)
-        counts = valid.sum(1)
-        if int(counts.sum()) == 0:  # only padding: nothing to store, nothing to calibrate on
+        if valid is None:  # every token real: no mask to read, no gather
+            counts = [s] * b
+            k_seq = [k[i].transpose(0, 1).contiguous() for i in range(b)]  # (n_i, Nkv, D)
+            v_seq = [v[i].transpose(0, 1).contiguous() for i in range(b)]
+        else:
+            counts = valid.sum(1).tolist()  # the one host read of a commit
+            index = [torch.nonzero(valid[i], as_tuple=True)[0] for i in range(b)]
+            # one sequence at a time, on its own contiguous tokens: a sequence's codes are those it
+            # gets alone (same shapes, same reductions), whatever the padding and the batch
+            k_seq = [k[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]
+            v_seq = [v[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]
+        if sum(counts) == 0:  # only padding: nothing to store, nothing to calibrate on
             return
-        index = [torch.nonzero(valid[i], as_tuple=True)[0] for i in range(b)]
-        # one sequence at a time, on its own contiguous tokens: a sequence's codes are those it
-        # gets alone (same shapes, same reductions), whatever the padding and the batch
-        k_seq = [k[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]  # (n_i, Nkv, D)
-        v_seq = [v[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]
         if self.smooth_k and self.k_mean is None:
             self.k_mean = torch.stack([_mean(t, k.shape[1]) for t in k_seq])
         if self.smooth_k:
@@ -191,7 +211,7 @@ class HiF8Layer(DynamicLayer):
         if self.rotate:
             k_seq = [rotation.rotate(t) for t in k_seq]
             v_seq = [rotation.rotate(t) for t in v_seq]
-        k_new, v_new = torch.cat(k_seq), torch.cat(v_seq)  # (sum n_i, Nkv, D), batch-major
+        k_new, v_new = _cat(k_seq), _cat(v_seq)  # (sum n_i, Nkv, D), batch-major
         if self.k_scale is None:
             self.k_scale = cal.check_scale(self.rule(k_new), "k scale from the calibration rule")
         if self.v_scale is None:
@@ -202,26 +222,35 @@ class HiF8Layer(DynamicLayer):
         self._saturated_v = self._saturated_v + v_sat
         self._write(k_codes, v_codes, counts)
 
-    def _write(self, k_codes: torch.Tensor, v_codes: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append each sequence's new codes after its stored ones (compacted rows)."""
-        new_lengths = self.lengths + counts
-        grow = int(new_lengths.max()) - self.keys.shape[2] if new_lengths.numel() else 0
-        if grow > 0:
-            pad = (0, 0, 0, grow)
-            self.keys = torch.nn.functional.pad(self.keys, pad)
-            self.values = torch.nn.functional.pad(self.values, pad)
-        rows = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        cols = self.lengths[rows] + torch.arange(rows.numel(), device=counts.device) - starts[rows]
-        self.keys.permute(0, 2, 1, 3)[rows, cols] = k_codes
-        self.values.permute(0, 2, 1, 3)[rows, cols] = v_codes
-        self.lengths = new_lengths
+    def _write(self, k_codes: torch.Tensor, v_codes: torch.Tensor, counts: list[int]) -> None:
+        """Append each sequence's new codes after its stored ones (compacted rows), in place when
+        they fit the capacity; otherwise grow first (see :data:`GROWTH_DIVISOR`)."""
+        new_lengths = tuple(a + c for a, c in zip(self.host_lengths, counts))
+        need = max(new_lengths, default=0)
+        k_store, v_store = self._k_store, self._v_store
+        if need > k_store.shape[2]:
+            k_store, v_store = _grown(k_store, need), _grown(v_store, need)
+        start = 0
+        for i, (old, c) in enumerate(zip(self.host_lengths, counts)):
+            if c:
+                k_store[i, :, old:old + c] = k_codes[start:start + c].transpose(0, 1)
+                v_store[i, :, old:old + c] = v_codes[start:start + c].transpose(0, 1)
+            start += c
+        self._set_store(k_store, v_store, new_lengths)
+
+    def _set_store(self, k_store: torch.Tensor, v_store: torch.Tensor, lengths: tuple[int, ...]) -> None:
+        self._k_store, self._v_store = k_store, v_store
+        self.host_lengths = tuple(lengths)
+        self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=k_store.device)
+        used = max(self.host_lengths, default=0)
+        self.keys, self.values = k_store[:, :, :used], v_store[:, :, :used]
 
     def nbytes(self) -> int:
-        """Bytes this layer holds: codes, scales and key means (queued float tokens excluded)."""
+        """Bytes this layer holds: the allocated code tensors (all of :attr:`capacity`, not only the
+        tokens used), scales, key means and lengths (queued float tokens excluded)."""
         if not self.is_initialized:
             return 0
-        held = [self.keys, self.values, self.k_scale, self.v_scale, self.q_scale, self.k_mean, self.lengths]
+        held = [self._k_store, self._v_store, self.k_scale, self.v_scale, self.q_scale, self.k_mean, self.lengths]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     # ---------------------------------------------------------------- batch operations (generate)
@@ -232,8 +261,8 @@ class HiF8Layer(DynamicLayer):
         if self._pending:
             raise ValueError("cannot reorder a HiF8 cache layer with tokens queued for encoding")
         index = index.to(self.device)
-        self.keys, self.values = self.keys[index], self.values[index]
-        self.lengths = self.lengths[index]
+        host = [self.host_lengths[i] for i in index.tolist()]
+        self._set_store(self._k_store[index], self._v_store[index], tuple(host))
         if self.k_mean is not None:
             self.k_mean = self.k_mean[index]
 
@@ -245,7 +274,7 @@ class HiF8Layer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._select(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+            self._select(torch.arange(self._k_store.shape[0]).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("HiF8Cache cannot be cropped (its rows are compacted, padding removed)")
@@ -254,11 +283,26 @@ class HiF8Layer(DynamicLayer):
         raise ValueError("HiF8Cache does not support offloading")
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self._k_store = self._v_store = None
         self.is_initialized = False
         self.q_scale = self.k_scale = self.v_scale = self.k_mean = self.lengths = None
+        self.host_lengths = ()
         self.seen = self._saturated_k = self._saturated_v = 0
         self._pending = []
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along tokens; one part is returned as it is (no copy of a decode step's token)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _grown(store: torch.Tensor, need: int) -> torch.Tensor:
+    """``store`` (B, Nkv, capacity, D) copied into zeros with room for ``need`` + ``need //
+    GROWTH_DIVISOR`` tokens."""
+    b, n, cap, d = store.shape
+    grown = torch.zeros(b, n, need + need // GROWTH_DIVISOR, d, dtype=store.dtype, device=store.device)
+    grown[:, :, :cap] = store
+    return grown
 
 
 def _mean(tokens: torch.Tensor, heads: int) -> torch.Tensor:
@@ -318,6 +362,15 @@ class HiF8Cache(Cache):
                                  f"window); this config has {other}")
             layers = [self._new_layer(i) for i in range(len(types))]
         super().__init__(layers=layers)
+        self._plan: tuple | None = None  # (key, plan) of shared_plan
+
+    def shared_plan(self, key: tuple, make: Callable[[], object]) -> object:
+        """The plan last made for ``key``, else ``make()`` (kept in its place). Every layer of one
+        forward pass stores the same lengths, so the first layer plans the op and the others reuse
+        it; one entry, replaced when the next step's lengths arrive."""
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, make())
+        return self._plan[1]
 
     def _new_layer(self, layer_idx: int) -> HiF8Layer:
         given = None
