@@ -383,7 +383,7 @@ MX_BAD = [
     (dict(q=lambda t: t[..., :48]), ValueError, r"^head dim D of q must be one of \(64, 72, 128, 256\), got 48"),
     (dict(layout_q="BSND"), ValueError, r"^layout_q must be one of \('TND',\) in quant_mode 1 \(MXFP8\), got 'BSND'"),
     (dict(layout_q_descale="BSND"), ValueError, r"^layout_q_descale must be one of \('TND', 'N2TGD'\)"),
-    (dict(layout_kv="PA_NZ"), ValueError, r"^layout_kv must be one of \('TND', 'PA_BBND', 'PA_BNBD'\)"),
+    (dict(layout_kv="BSND"), ValueError, r"^layout_kv must be one of \('TND', 'PA_BBND', 'PA_BNBD', 'PA_NZ'\)"),
     (dict(layout="BNSD"), ValueError, r"^layout='BNSD' sets layout_q, layout_kv and layout_out, but in quant_mode 1"),
     (dict(p_scale=torch.tensor([0.5])), ValueError, r"^p_scale must be in \[1, 448\] in quant_mode 1 .*got 0.5"),
     (dict(p_scale=torch.tensor([500.0])), ValueError, r"^p_scale must be in \[1, 448\]"),
@@ -473,3 +473,38 @@ def test_inputs_are_not_modified():
     quant_flash_attn(*args, **kwargs)
     for t, b in zip(args[:6], before):
         assert torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t, b)
+
+
+def _to_nz(t: torch.Tensor) -> torch.Tensor:
+    """(Bn, N, S, D) -> (Bn, N, D/32, S, 32): rows into 32-channel slabs."""
+    bn, n, s, d = t.shape
+    return t.view(torch.uint8).view(bn, n, s, d // 32, 32).permute(0, 1, 3, 2, 4).contiguous().view(t.dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mxfp8_pa_nz_equals_pa_bnbd(causal):
+    case = mx_case((5, 2), (300, 64), d=128, seed=12)
+    args, kwargs = mx_call(case, causal=causal, p_scale=104.0)
+    kwargs.pop("cu_seqlens_kv")
+    k, v, kd, vd, table = page_mx(case, "PA_BNBD", 128, torch.Generator().manual_seed(3))
+    used = torch.tensor(case["kv_lens"], dtype=torch.int32)
+    bnbd = quant_flash_attn(args[0], k, v, args[3], kd, vd, 1, block_table=table, layout_kv="PA_BNBD",
+                            seqused_kv=used, **kwargs)
+    k_scales = mxfp8.unpack_k_descale(kd, 128, "PA_BNBD")  # (Bn, N, Bs, D/32)
+    v_scales = mxfp8.unpack_v_descale(vd, "PA_BNBD")  # (Bn, N, Bs/32, D)
+    nz_k_scales = k_scales.view(torch.uint8).transpose(2, 3).unsqueeze(-1).contiguous().view(mxfp8.E8M0)
+    nz = quant_flash_attn(args[0], _to_nz(k), _to_nz(v), args[3], mxfp8.pack_k_descale(nz_k_scales, "PA_NZ"),
+                          mxfp8.pack_v_descale(_to_nz(v_scales), "PA_NZ"), 1, block_table=table, layout_kv="PA_NZ",
+                          seqused_kv=used, **kwargs)
+    assert torch.equal(nz[0].view(torch.int16), bnbd[0].view(torch.int16)) and torch.equal(nz[1], bnbd[1])
+
+
+def test_pa_nz_shape_rules():
+    case = mx_case((2,), (64,), d=64)
+    args, kwargs = mx_call(case)
+    kwargs.pop("cu_seqlens_kv")
+    k = torch.zeros(2, 2, 64, 64, dtype=torch.float8_e4m3fn)  # a PA_BNBD-shaped k
+    with pytest.raises(ValueError, match=r"^k must be 5-D \(blocks, Nkv, D/32, block_size, 32\) for layout_kv "
+                                         r"PA_NZ, got shape \(2, 2, 64, 64\)"):
+        quant_flash_attn(args[0], k, k, args[3], args[4], args[5], 1, block_table=torch.zeros(1, 1, dtype=torch.int32),
+                         layout_kv="PA_NZ", seqused_kv=torch.tensor([64], dtype=torch.int32), **kwargs)

@@ -147,6 +147,8 @@ def plan_metadata(
         layouts = resolve_layouts(layout, None, layout_kv, None, layout_q_descale, quant_mode)
     else:  # ``layout`` is q's; out's and kv's are their own (unset: the mode's defaults)
         layouts = resolve_layouts(None, layout, layout_kv, layout_out, layout_q_descale, quant_mode)
+        if layouts.kv == "PA_NZ":  # runs convert its k/v to PA_BNBD (qfa.attention.nz_layout)
+            layouts = layouts._replace(kv="PA_BNBD")
     layout, layout_kv = layouts.q, layouts.kv
     paged = layout_kv in PAGED_LAYOUTS
     # Token-packed q (TND, mode 6's NTD) takes its segments from cu_seqlens_q.
@@ -489,6 +491,9 @@ def plan_attention(
     else:
         layouts = resolve_layouts(None, layout, layout_kv, layout_out, layout_q_descale, mode)
         layout, layout_kv, layout_out, layout_q_descale = layouts
+        if layout_kv == "PA_NZ":
+            raise ValueError("layout_kv PA_NZ must be converted to PA_BNBD before planning "
+                             "(qfa.attention.nz_layout.to_bnbd; quant_flash_attn does it)")
     paged = layout_kv in PAGED_LAYOUTS
     check_unsupported(win_left, win_right, sinks=sinks, **({} if paged else {"block_table": block_table}))
     check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,

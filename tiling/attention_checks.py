@@ -87,9 +87,11 @@ class Layouts(NamedTuple):
 
 
 #: Modes 1 and 6: the layouts each operand may have (the first is the default), from
-#: ``quant-flash-attn-family.md``; PA_NZ is upstream's too, not qfa's yet.
+#: ``quant-flash-attn-family.md``. MXFP8's PA_NZ is converted to PA_BNBD before planning
+#: (``qfa.attention.nz_layout``): the plan and the backends never see it.
 SCALED_MODE_LAYOUTS = {
-    QuantMode.MXFP8: Layouts(q=("TND",), kv=("TND", "PA_BBND", "PA_BNBD"), out=("TND",), q_descale=("TND", "N2TGD")),
+    QuantMode.MXFP8: Layouts(q=("TND",), kv=("TND", "PA_BBND", "PA_BNBD", "PA_NZ"), out=("TND",),
+                             q_descale=("TND", "N2TGD")),
     QuantMode.FP8_PER_TOKEN_HEAD: Layouts(q=("NTD",), kv=("PA_BNBD",), out=("TND",), q_descale=("NT",)),
 }
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from qfa import backends
-from qfa.attention import paged
+from qfa.attention import nz_layout, paged
 from qfa.cast.api import as_codes
 from qfa.tiling import attention as tiling
 from qfa.tiling.attention import AttentionMetadata, AttentionPlan, plan_attention
@@ -98,7 +98,8 @@ def quant_flash_attn(
     * quant_mode 1, MXFP8: q, k, v ``torch.float8_e4m3fn``; q and out TND; k/v TND (with
       ``cu_seqlens_kv``) or paged ``PA_BBND`` / ``PA_BNBD`` (block size 64 .. 1024, a power of
       two); D in {64, 72, 128, 256}; E8M0 (``torch.float8_e8m0fnu``) descales in upstream's
-      paired layouts: q_descale (Tq, Nq, ceil(D/64), 2) (``layout_q_descale="TND"``) or
+      paired layouts (``PA_NZ`` too: converted to a PA_BNBD copy per call, see
+      :mod:`qfa.attention.nz_layout`): q_descale (Tq, Nq, ceil(D/64), 2) (``layout_q_descale="TND"``) or
       (Nkv, Tq, G, ceil(D/64), 2) (``"N2TGD"``), k_descale per key and 32 channels, v_descale per
       channel and 32 keys of each sequence (``qfa.cast.mxfp8.quantize`` and ``pack_*_descale``
       make them). TND v_descale counts each sequence's stored keys (its cu_seqlens_kv segment).
@@ -152,6 +153,10 @@ def quant_flash_attn(
         that see no key (padding, or the first Sq - Skv rows of a causal call) give 0 and lse +inf.
     """
     layouts = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale, quant_mode)
+    if layouts.kv == "PA_NZ":  # MXFP8's NZ blocks: the same call on a PA_BNBD copy (bit for bit)
+        mode = tiling.check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale)
+        k, v, k_descale, v_descale = nz_layout.to_bnbd(mode, k, v, k_descale, v_descale)
+        layouts = layouts._replace(kv="PA_BNBD")
     chosen, chosen_kv = layouts.q, layouts.kv
     if metadata is None:
         plan = plan_attention(
