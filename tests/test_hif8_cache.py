@@ -318,3 +318,144 @@ def test_model_padding_never_enters_scales_means_or_attention():
             assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert c0.layers[0].lengths.tolist() == [29, 11, 20]
     assert torch.equal(g0[:, 29:], g1[:, 29:])
+
+
+# ----------------------------------------------------------------------------- capacity, in-place appends
+
+def _commit(cache, layer_idx, k, v, mask=None):
+    """Store k/v in a layer without attention (what cached_attention's commit does)."""
+    cache.update(k, v, layer_idx)
+    cache.layer(layer_idx).commit(mask)
+
+
+def _held_bytes(layer, batch: int) -> int:
+    """What a layer holds: both code tensors at full capacity, two fp32 scales, the fp32 key
+    means and the int64 lengths."""
+    return 2 * batch * NKV * layer.capacity * D + 2 * 4 + batch * NKV * D * 4 + batch * 8
+
+
+def test_appends_within_capacity_write_in_place_and_growth_is_geometric():
+    cache = HiF8Cache()
+    prefill = 256
+    _commit(cache, 0, randn(1, NKV, prefill, D, seed=1), randn(1, NKV, prefill, D, seed=2))
+    layer = cache.layer(0)
+    want_capacity = prefill + prefill // hc.GROWTH_DIVISOR
+    assert layer.capacity == want_capacity and layer.keys.shape[2] == prefill
+    assert cache.nbytes() == _held_bytes(layer, 1)
+    k_ptr, v_ptr = layer.keys.data_ptr(), layer.values.data_ptr()
+    stored = layer.keys.clone()
+    n = prefill
+    while n < want_capacity:  # every append that fits: written in place, nothing reallocated
+        _commit(cache, 0, randn(1, NKV, 1, D, seed=100 + n), randn(1, NKV, 1, D, seed=200 + n))
+        n += 1
+        assert (layer.keys.data_ptr(), layer.values.data_ptr()) == (k_ptr, v_ptr)
+        assert layer.capacity == want_capacity and layer.keys.shape[2] == n and layer.host_lengths == (n,)
+    before = layer.keys.clone()
+    _commit(cache, 0, randn(1, NKV, 1, D, seed=3), randn(1, NKV, 1, D, seed=4))  # one past: it grows
+    n += 1
+    assert layer.capacity == n + n // hc.GROWTH_DIVISOR and layer.keys.data_ptr() != k_ptr
+    assert torch.equal(layer.keys[:, :, :n - 1], before) and torch.equal(layer.keys[:, :, :prefill], stored)
+    assert layer.lengths.tolist() == [n] and cache.nbytes() == _held_bytes(layer, 1)
+
+
+def test_kv_bytes_within_the_claim_at_2048_tokens():
+    """The README's claim, counted on what is allocated: a 2048-token prefill and 11 decode
+    tokens (qfa generate --prompt-tokens 2048 --max-new-tokens 12) against a bf16 DynamicCache."""
+    cache, dynamic = HiF8Cache(), DynamicCache()
+    k, v = randn(1, NKV, 2048, D, seed=1), randn(1, NKV, 2048, D, seed=2)
+    _commit(cache, 0, k, v)
+    dynamic.update(k, v, 0)
+    for t in range(11):
+        k, v = randn(1, NKV, 1, D, seed=10 + t), randn(1, NKV, 1, D, seed=30 + t)
+        _commit(cache, 0, k, v)
+        dynamic.update(k, v, 0)
+    bf16 = dynamic.layers[0].keys.nbytes + dynamic.layers[0].values.nbytes
+    assert cache.layer(0).capacity > cache.layer(0).keys.shape[2] == 2059  # there is headroom, and it counts
+    assert cache.nbytes() == _held_bytes(cache.layer(0), 1)
+    assert cache.nbytes() / bf16 <= 0.52, cache.nbytes() / bf16
+
+
+def test_padded_batch_appends_in_place_per_sequence():
+    lengths = [29, 11]
+    _, (q, k, v), mask = _left_padded(lengths)
+    cache = HiF8Cache()
+    _commit(cache, 0, k, v, mask)
+    layer = cache.layer(0)
+    assert layer.capacity == 29 and layer.host_lengths == (29, 11)  # 29 // 32 == 0: no headroom yet
+    ptr = layer.keys.data_ptr()
+    # the shorter sequence gets two tokens, the longer one none (its column is padding): fits in place
+    new_k, new_v = randn(2, NKV, 2, D, seed=5), randn(2, NKV, 2, D, seed=6)
+    step_mask = torch.tensor([[False, False], [True, True]])
+    _commit(cache, 0, new_k, new_v, step_mask)
+    assert layer.keys.data_ptr() == ptr and layer.host_lengths == (29, 13) and layer.lengths.tolist() == [29, 13]
+    alone = HiF8Cache()
+    _commit(alone, 0, k[1:, :, 29 - 11:], v[1:, :, 29 - 11:])
+    _commit(alone, 0, new_k[1:], new_v[1:])
+    assert torch.equal(layer.keys[1, :, :13], alone.layer(0).keys[0])
+    assert torch.equal(layer.values[1, :, :13], alone.layer(0).values[0])
+    assert not layer.keys[1, :, 13:].any()  # past a sequence's length: zeros, never read
+
+
+def test_batch_repeat_keeps_lengths_and_capacity():
+    cache = HiF8Cache()
+    _commit(cache, 0, randn(1, NKV, 64, D, seed=1), randn(1, NKV, 64, D, seed=2))
+    layer = cache.layer(0)
+    layer.batch_repeat_interleave(2)
+    assert layer.keys.shape == (2, NKV, 64, D) and layer.host_lengths == (64, 64) and layer.capacity == 66
+    assert torch.equal(layer.keys[0], layer.keys[1])
+    ptr = layer.keys.data_ptr()
+    _commit(cache, 0, randn(2, NKV, 1, D, seed=3), randn(2, NKV, 1, D, seed=4))
+    assert layer.keys.data_ptr() == ptr and layer.lengths.tolist() == [65, 65]
+
+
+# ----------------------------------------------------------------------------- one plan per step
+
+def _decode_logits(model, input_ids, mask, steps: int):
+    """Prefill and ``steps`` greedy steps: (last logits of every forward, the cache, how many
+    steps appended to layer 0 in place: its keys kept their address)."""
+    cache = HiF8Cache()
+    logits, addresses = [], []
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+        for _ in range(steps):
+            logits.append(out)
+            addresses.append(cache.layer(0).keys.data_ptr())
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
+            out = model(out.argmax(-1)[:, None], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+    logits.append(out)
+    addresses.append(cache.layer(0).keys.data_ptr())
+    return torch.stack(logits), cache, sum(a == b for a, b in zip(addresses, addresses[1:]))
+
+
+def test_decode_plans_once_per_step_and_keeps_the_bits_of_fresh_plans_and_exact_tensors(monkeypatch):
+    """A left-padded batch of 2 decoding 40 steps (the code tensors grow several times) through
+    a 3-layer model: the op is planned once per forward pass, not per layer, and the logits and
+    the stored codes are the bits of the cache planning every call anew on code tensors sized
+    exactly to their tokens (reallocated on every append, as the cache did before)."""
+    from qfa.serving import attention as sa
+
+    model = tiny_model(num_hidden_layers=3)
+    model.set_attn_implementation(IMPL)
+    input_ids, mask = _left_pad([ids(1, 70, seed=3)[0], ids(1, 45, seed=4)[0]], ids(2, 70, seed=5))
+    steps = 40
+    plans = []
+    real_metadata = sa.quant_flash_attn_metadata
+    monkeypatch.setattr(sa, "quant_flash_attn_metadata", lambda *a, **kw: (plans.append(1), real_metadata(*a, **kw))[1])
+    got, cache, in_place = _decode_logits(model, input_ids, mask, steps)
+    assert len(plans) == steps + 1  # the prefill and every step: one plan for all 3 layers
+    assert steps // 2 < in_place < steps  # it grew, and most steps appended in place
+    monkeypatch.setattr(HiF8Cache, "shared_plan", lambda self, key, make: make())
+    monkeypatch.setattr(hc, "GROWTH_DIVISOR", 1 << 60)  # no headroom: every append reallocates
+    plans.clear()
+    want, exact, in_place = _decode_logits(model, input_ids, mask, steps)
+    assert in_place == 0
+    assert len(plans) == 3 * (steps + 1)
+    assert exact.layer(0).capacity == exact.layer(0).keys.shape[2] == 70 + steps
+    assert torch.equal(bits(got), bits(want))
+    for a, b in zip(cache.layers, exact.layers):
+        for name in ("keys", "values", "lengths", "k_scale", "v_scale", "k_mean"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_hadamard_is_made_once_per_device():
+    assert rotation.hadamard(D) is rotation.hadamard(D, "cpu") is rotation.hadamard(D, torch.device("cpu"))

@@ -27,9 +27,17 @@ def _hadamard_cpu(n: int) -> torch.Tensor:
     return (h / math.sqrt(n)).to(torch.float32)
 
 
-def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The symmetric, orthogonal n x n Sylvester-Hadamard matrix scaled by 1/sqrt(n), fp32."""
+@functools.lru_cache(maxsize=16)
+def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
     return _hadamard_cpu(n).to(device)
+
+
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The symmetric, orthogonal n x n Sylvester-Hadamard matrix scaled by 1/sqrt(n), fp32.
+
+    One tensor per (n, device), made once: a decode step rotates a few rows per layer, so a copy
+    to the device per call would cost more than the rotation. Do not modify the result."""
+    return _hadamard_on(n, torch.device(device))
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
