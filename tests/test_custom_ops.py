@@ -67,7 +67,7 @@ def test_hif8_attention_op_passes_opcheck(rotate):
     q, k, v = _qkv(s=11, dtype=torch.bfloat16)
     call = DropinCall(q, k, v, is_causal=True, return_softmax_lse=True, rotate=rotate)
     args = tuple(call.as_kwargs().values())
-    assert len(args) == 19
+    assert len(args) == 20
     torch.library.opcheck(torch.ops.qfa.hif8_attention.default, args, test_utils=OPCHECK_TESTS)
 
 

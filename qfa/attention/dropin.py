@@ -1,4 +1,6 @@
-"""``hif8_attention``: attention on float Q/K/V through HiF8 per-tensor quantisation.
+"""``hif8_attention``: attention on float Q/K/V through HiF8 per-tensor quantisation, or, with
+``format=``, through MXFP8 or FP8 E4M3 per-token-head (:mod:`qfa.attention.dropin_scaled`);
+``mxfp8_attention`` and ``fp8_attention`` are the same function with the format set.
 
 The public function checks its arguments (:mod:`qfa.attention.dropin_inputs`), gathers them
 into one :class:`~qfa.attention.dropin_call.DropinCall`, and runs it: directly
@@ -12,7 +14,7 @@ Tensor parallel (``process_group=``, heads sharded across ranks) is :mod:`qfa.at
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -61,9 +63,10 @@ def hif8_attention(
     p_scale: Union[float, torch.Tensor, None] = None, scales: Optional[Sequence] = None,
     return_softmax_lse: bool = _D.return_softmax_lse, backend: Optional[str] = _D.backend,
     rotate: bool = _D.rotate, metadata: Optional[Metadata] = None,
-    process_group: Optional[distributed.ProcessGroup] = None, **deprecated,
+    process_group: Optional[distributed.ProcessGroup] = None, format: str = _D.format, **deprecated,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Attention on fp16/bf16/fp32 tensors through HiF8 per-tensor quantisation (quant_mode 0).
+    """Attention on fp16/bf16/fp32 tensors through HiF8 per-tensor quantisation (quant_mode 0),
+    or MXFP8 (quant_mode 1) / FP8 E4M3 per-token-head (quant_mode 6) with ``format=``.
 
     Like ``torch.nn.functional.scaled_dot_product_attention`` without a dropout or an explicit
     mask: each of ``q``, ``k`` (after smoothing) and ``v`` is quantised to HiF8 with one fp32
@@ -136,6 +139,27 @@ def hif8_attention(
             the call runs eagerly (never traced). None (default): this rank's tensors are the
             whole tensors.
 
+        format: the number format of Q/K/V (one code path; smoothing, masks, GQA, padding and
+            the checks are shared):
+
+            - ``"hif8"`` (default): HiF8 with one scale per tensor, quant_mode 0 (all of the above).
+            - ``"mxfp8"``: MXFP8 (OCP MX, E4M3 elements, E8M0 power-of-two scales): Q and K one
+              scale per token, head and 32 channels of D; V one per channel and 32 keys of a
+              sequence; quant_mode 1 on TND-packed tensors. D in {64, 72, 128, 256}.
+            - ``"fp8"``: FP8 E4M3, Q and K one fp32 scale per token and head, V one per head;
+              quant_mode 6 (K and V in 128-key pages). D = 128.
+
+            The E4M3 formats compute their scales from the values on every call, so what chooses
+            per-tensor scales does not apply: ``scales``, a ``calibration`` other than the
+            default, ``metadata`` and ``rotate=True`` are ValueErrors there (the rotation is
+            HiF8's; pass ``rotate=False``, as :func:`mxfp8_attention` / :func:`fp8_attention`
+            do), and ``process_group`` needs no reduction (every scale lies within one head, so
+            each rank's heads are exactly the unsharded call's). ``p_scale`` defaults to 448
+            there (E4M3's largest value, on its grid; valid range [1, 448]; see
+            :mod:`qfa.attention.dropin_scaled`). NaN/Inf inputs are not an error there: they
+            make their block's (or token's, or FP8 V's head's) scale NaN, and NaN reaches the
+            outputs that read it.
+
     Returns:
         ``out`` in ``q``'s layout, shape and dtype, or ``(out, lse)`` with ``return_softmax_lse``.
         An fp16 output saturates at fp16's largest finite value (HiF8's rounding of V can
@@ -149,21 +173,24 @@ def hif8_attention(
         named = take_deprecated(deprecated, {"softmax_scale": softmax_scale,
                                              "return_softmax_lse": return_softmax_lse}, "hif8_attention")
         softmax_scale, return_softmax_lse = named["softmax_scale"], named["return_softmax_lse"]
-    dropin_inputs.check_qkv(q, k, v, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv)
+    format = dropin_inputs.check_format(format)
+    dropin_inputs.check_qkv(q, k, v, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, format=format)
     for flag, name in ((is_causal, "is_causal"), (smooth_k, "smooth_k"), (rotate, "rotate"),
                        (return_softmax_lse, "return_softmax_lse")):
         check_bool(flag, name)
+    dropin_inputs.check_format_options(format, rotate=rotate, scales=scales, calibration=calibration,
+                                       metadata=metadata)
     process_group = distributed.check_process_group(process_group)
     q_scale, k_scale, v_scale = dropin_inputs.static_scales(scales, q.device)
-    if q_scale is not None and k_scale is not None and v_scale is not None:
-        process_group = None  # nothing is measured, so nothing is reduced
+    if format != "hif8" or (q_scale is not None and k_scale is not None and v_scale is not None):
+        process_group = None  # nothing is measured across heads, so nothing is reduced
     call = dict(
         q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         p_scale=dropin_inputs.p_scale_tensor(p_scale, q.device), cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv, is_causal=is_causal,
         softmax_scale=dropin_inputs.softmax_scale_value(softmax_scale), layout=layout,
         calibration=dropin_inputs.check_calibration(calibration), smooth_k=smooth_k,
-        return_softmax_lse=return_softmax_lse, backend=backend, rotate=rotate,
+        return_softmax_lse=return_softmax_lse, backend=backend, rotate=rotate, format=format,
     )
     if torch.compiler.is_compiling():
         if not isinstance(call["calibration"], str):
@@ -182,3 +209,18 @@ def hif8_attention(
         run = dropin_eager.run if process_group is None else _run_sharded
         out, lse = run(_D(**call), metadata=metadata, process_group=process_group)
     return (out, lse) if return_softmax_lse else out
+
+
+def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    **options: Any) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`hif8_attention` with ``format="mxfp8"`` (and ``rotate=False``, the rotation being
+    HiF8's option): Q/K per 32 channels, V per 32 keys, quant_mode 1. ``options`` are
+    hif8_attention's."""
+    return hif8_attention(q, k, v, **{"rotate": False, **options}, format="mxfp8")
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  **options: Any) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`hif8_attention` with ``format="fp8"`` (and ``rotate=False``): FP8 E4M3 Q/K per token
+    and head, V per head, quant_mode 6. ``options`` are hif8_attention's."""
+    return hif8_attention(q, k, v, **{"rotate": False, **options}, format="fp8")

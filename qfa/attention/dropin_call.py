@@ -4,7 +4,12 @@ Its fields, in order, are the custom op ``qfa::hif8_attention``'s schema (built 
 :func:`schema`), the eager computation takes one :class:`DropinCall`, the op's fake reads one,
 and the public :func:`qfa.hif8_attention` and :class:`qfa.HiF8Attention` take their defaults
 from its class attributes. So a default (``rotate``'s, say) or a name is written here and
-nowhere else; ``tests/test_dropin_api.py`` fails if anything drifts from it.
+nowhere else; ``tests/test_custom_ops.py`` fails if anything drifts from it.
+
+``format`` picks the number format the float inputs are quantised to (:data:`FORMATS`, each run
+by its ``quant_flash_attn`` mode, :data:`FORMAT_MODES`): HiF8 per-tensor (the default), MXFP8,
+or FP8 E4M3 per-token-head. One call, one code path: the op ``qfa::hif8_attention`` carries it
+like any other option.
 
 The fields hold normalised values: per-tensor scales and ``p_scale`` as fp32 (1,) tensors (or
 None), flags as bools, ``calibration`` as a rule name (or, in eager calls only, a callable:
@@ -21,8 +26,13 @@ from typing import Optional
 from torch import Tensor
 
 from qfa.attention import calibration as cal
+from qfa.tiling.spec import QuantMode
 
 OP_NAME = "qfa::hif8_attention"
+
+#: The drop-in's number formats and the quant_flash_attn mode that runs each.
+FORMAT_MODES = {"hif8": QuantMode.HIF8_PER_TENSOR, "mxfp8": QuantMode.MXFP8, "fp8": QuantMode.FP8_PER_TOKEN_HEAD}
+FORMATS = tuple(FORMAT_MODES)
 
 
 @dataclass(frozen=True, eq=False)  # tensors have no truth value to compare
@@ -48,6 +58,7 @@ class DropinCall:
     return_softmax_lse: bool = False
     backend: Optional[str] = None
     rotate: bool = True
+    format: str = "hif8"
 
     def as_kwargs(self) -> dict:
         """The fields by name, shallow (``dataclasses.asdict`` would copy the tensors)."""
@@ -55,7 +66,8 @@ class DropinCall:
 
 
 #: The option fields: every field after the tensors, i.e. what has a default other than None.
-OPTIONS = ("is_causal", "softmax_scale", "layout", "calibration", "smooth_k", "return_softmax_lse", "backend", "rotate")
+OPTIONS = ("is_causal", "softmax_scale", "layout", "calibration", "smooth_k", "return_softmax_lse", "backend", "rotate",
+           "format")
 
 _SCHEMA_TYPES = {
     Tensor: "Tensor", Optional[Tensor]: "Tensor?", bool: "bool", Optional[float]: "float?", str: "str",

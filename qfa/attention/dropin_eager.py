@@ -1,5 +1,8 @@
 """The drop-in's computation on a checked :class:`DropinCall`: smooth, rotate, scale, quantise,
-call ``quant_flash_attn``, rotate back, correct the LSE.
+call ``quant_flash_attn``, rotate back, correct the LSE. The HiF8 format's scales and call are
+here; MXFP8's and FP8's (scales per block / per token, computed on the fly) are
+:mod:`qfa.attention.dropin_scaled`. Smoothing, the output cast and the LSE correction are one
+code path for every format.
 
 This is what the custom op ``qfa::hif8_attention`` runs, and what :func:`qfa.hif8_attention`
 runs directly outside ``torch.compile``. Everything data-dependent is here (the values of
@@ -11,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from qfa.attention import calibration as cal
-from qfa.attention import distributed, rotation
+from qfa.attention import distributed, dropin_scaled, rotation
 from qfa.attention.dropin_call import DropinCall
 from qfa.attention.dropin_inputs import check_length_values
 from qfa.attention.op import Metadata, quant_flash_attn
@@ -72,6 +75,19 @@ def saturating_cast(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
+def _hif8(c: DropinCall, tensors, softmax_scale: float, metadata: Metadata | None,
+          process_group: distributed.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HiF8 format: per-tensor scales (static or from the calibration rule), quant_mode 0."""
+    scales = _scales(c, tensors, process_group)
+    codes = [cal.quantize(t, s) for t, s in zip(tensors, scales)]
+    return quant_flash_attn(
+        *codes, *scales, QuantMode.HIF8_PER_TENSOR, p_scale=c.p_scale, layout=c.layout,
+        cu_seqlens_q=c.cu_seqlens_q, cu_seqlens_kv=c.cu_seqlens_kv, seqused_q=c.seqused_q, seqused_kv=c.seqused_kv,
+        mask_mode=MaskMode.CAUSAL if c.is_causal else MaskMode.NONE, softmax_scale=softmax_scale,
+        return_softmax_lse=c.return_softmax_lse, backend=c.backend, metadata=metadata,
+    )
+
+
 def run(c: DropinCall, metadata: Metadata | None = None,
         process_group: distributed.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one call; ``lse`` is an empty fp32 (0,) tensor unless requested.
@@ -95,16 +111,12 @@ def run(c: DropinCall, metadata: Metadata | None = None,
         check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
     tensors, mu = prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv, seqused_kv=c.seqused_kv,
                           smooth_k=c.smooth_k, rotate=c.rotate)
-    scales = _scales(c, tensors, process_group)
-    codes = [cal.quantize(t, s) for t, s in zip(tensors, scales)]
-    del tensors
     softmax_scale = default_softmax_scale(c.q.shape[-1]) if c.softmax_scale is None else c.softmax_scale
-    out, lse = quant_flash_attn(
-        *codes, *scales, QuantMode.HIF8_PER_TENSOR, p_scale=c.p_scale, layout=c.layout,
-        cu_seqlens_q=c.cu_seqlens_q, cu_seqlens_kv=c.cu_seqlens_kv, seqused_q=c.seqused_q, seqused_kv=c.seqused_kv,
-        mask_mode=MaskMode.CAUSAL if c.is_causal else MaskMode.NONE, softmax_scale=softmax_scale,
-        return_softmax_lse=c.return_softmax_lse, backend=c.backend, metadata=metadata,
-    )
+    if c.format == "hif8":
+        out, lse = _hif8(c, tensors, softmax_scale, metadata, process_group)
+    else:  # per-block / per-token scales: nothing to reduce across a process group's head shards
+        out, lse = dropin_scaled.run(c, tensors)
+    del tensors
     out = saturating_cast(rotation.rotate(out) if c.rotate else out, c.q.dtype)  # H is its own inverse
     if not c.return_softmax_lse:
         return out, c.q.new_empty((0,), dtype=torch.float32)

@@ -3,7 +3,7 @@
 The rules the drop-in shares with ``quant_flash_attn`` (shapes, per-sequence lengths, devices,
 softmax_scale, p_scale) are the op's own, from ``qfa.tiling``: the same mistake gets the same
 message from both. What is the drop-in's alone (float dtypes, the per-tensor scales, the
-calibration rule) is here. Nothing but :func:`check_length_values` reads a tensor's value, so
+calibration rule, the ``format`` and what each format takes) is here. Nothing but :func:`check_length_values` reads a tensor's value, so
 ``torch.compile`` traces the rest; that one runs in the computation, before the K means use the
 lengths (inside the custom op under ``torch.compile``).
 """
@@ -15,20 +15,23 @@ from typing import Optional, Sequence
 import torch
 
 from qfa.attention import calibration as cal
+from qfa.attention.dropin_call import FORMAT_MODES, FORMATS
 from qfa.tiling import checks
 from qfa.tiling.attention import MAX_BATCH, check_shapes
+from qfa.tiling.spec import HEAD_DIMS
 
 
 def check_qkv(q, k, v, layout: str, cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None,
-              seqused_kv=None) -> int:
-    """Float q, k, v of one dtype on one device, the op's shape and length rules; returns B."""
+              seqused_kv=None, format: str = "hif8") -> int:
+    """Float q, k, v of one dtype on one device, the op's shape and length rules (the head
+    sizes of ``format``'s mode); returns B."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         checks.check_float_tensor(t, name)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     checks.check_device(k, "k", q.device)
     checks.check_device(v, "v", q.device)
-    check_shapes(q, k, v, layout)
+    check_shapes(q, k, v, layout, head_dims=HEAD_DIMS[FORMAT_MODES[format]])
     return checks.check_sequence_lengths(layout, batch=None if layout == "TND" else q.shape[0], device=q.device,
                                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                                          seqused_q=seqused_q, seqused_kv=seqused_kv, max_batch=MAX_BATCH)
@@ -103,3 +106,36 @@ def check_calibration(calibration: cal.RuleLike | None) -> cal.RuleLike:
         return cal.DEFAULT_RULE
     cal.get_rule(calibration)  # ValueError for an unknown name, TypeError for anything else
     return calibration
+
+
+def check_format(format) -> str:
+    """``format`` if it is one of :data:`~qfa.attention.dropin_call.FORMATS`."""
+    if not isinstance(format, str):
+        raise TypeError(f"format must be a str, one of {FORMATS}, got {type(format).__name__}")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    return format
+
+
+def check_format_options(format: str, *, rotate: bool = False, scales=None, calibration=None,
+                         metadata=None) -> None:
+    """What only the HiF8 format takes. MXFP8 and FP8 compute their per-block / per-token scales
+    from the values on every call, so per-tensor scales (static ``scales``, a ``calibration``
+    rule) have nothing to apply to, and the Hadamard rotation (which exists to even out a
+    per-tensor scale) is HiF8's option; a ``metadata`` plan is of the caller's mode-0 call,
+    while these formats repack q/k/v and plan their own. Each is a ValueError, not ignored."""
+    if format == "hif8":
+        return
+    why = f"format {format!r} computes its scales on the fly (per 32 values or per token)"
+    if rotate:
+        raise ValueError(f"rotate=True is the HiF8 format's option (the rotation evens out a per-tensor scale); "
+                         f"{why}: pass rotate=False (qfa.{format}_attention does)")
+    if scales is not None:
+        raise ValueError(f"scales=(q_scale, k_scale, v_scale) are the HiF8 format's per-tensor scales; {why}: "
+                         f"pass scales=None")
+    if calibration is not None and calibration != cal.DEFAULT_RULE:
+        raise ValueError(f"calibration={calibration!r} chooses the HiF8 format's per-tensor scales; {why}: "
+                         f"leave calibration unset")
+    if metadata is not None:
+        raise ValueError(f"metadata plans the HiF8 format's call in the caller's layout; format {format!r} repacks "
+                         f"q, k and v for its own mode and plans that itself: pass metadata=None")

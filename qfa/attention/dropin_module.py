@@ -62,6 +62,13 @@ class HiF8Attention(nn.Module):
     order and the rule runs on them: a sample of every shard, but the frozen scale then need
     not equal the unsharded module's. A frozen module runs no collective. The group is not part
     of the ``state_dict``.
+
+    ``format="mxfp8"`` / ``"fp8"`` (see :func:`hif8_attention`): the module runs that format; its
+    scales are computed per block / per token on every call, so there is nothing to calibrate,
+    set or load: ``static=True``, ``scales=``, :meth:`calibrate`, :meth:`observe` and
+    :meth:`set_scales` are ValueErrors there (as are ``rotate=True`` and a non-default
+    ``calibration``), and the ``q_scale`` / ``k_scale`` / ``v_scale`` buffers stay NaN (a
+    loaded state_dict with finite ones does not make such a module static).
     """
 
     def __init__(self, *, is_causal: bool = _D.is_causal, softmax_scale: Optional[float] = _D.softmax_scale,
@@ -69,8 +76,9 @@ class HiF8Attention(nn.Module):
                  smooth_k: bool = _D.smooth_k, p_scale: Union[float, torch.Tensor, None] = None,
                  backend: Optional[str] = _D.backend, static: bool = False, rotate: bool = _D.rotate,
                  scales: Optional[Sequence] = None,
-                 process_group: Optional[distributed.ProcessGroup] = None, **deprecated):
+                 process_group: Optional[distributed.ProcessGroup] = None, format: str = _D.format, **deprecated):
         super().__init__()
+        self.format = dropin_inputs.check_format(format)
         self.process_group = distributed.check_process_group(process_group)
         if deprecated:
             softmax_scale = take_deprecated(deprecated, {"softmax_scale": softmax_scale}, "HiF8Attention")["softmax_scale"]
@@ -78,6 +86,9 @@ class HiF8Attention(nn.Module):
             raise ValueError(f"layout must be one of {LAYOUTS} (shared by q, k, v and out), got {layout!r}")
         for flag, name in ((is_causal, "is_causal"), (smooth_k, "smooth_k"), (static, "static"), (rotate, "rotate")):
             check_bool(flag, name)
+        dropin_inputs.check_format_options(format, rotate=rotate, calibration=calibration)
+        if static:
+            self._check_has_per_tensor_scales("static=True")
         self.calibration = dropin_inputs.check_calibration(calibration)
         self.is_causal, self.layout = is_causal, layout
         self.softmax_scale = dropin_inputs.softmax_scale_value(softmax_scale)
@@ -93,6 +104,11 @@ class HiF8Attention(nn.Module):
                 raise TypeError(f"scales must be a tuple (q_scale, k_scale, v_scale), got {type(scales).__name__}")
             self.set_scales(*scales)
 
+    def _check_has_per_tensor_scales(self, what: str) -> None:
+        if self.format != "hif8":
+            raise ValueError(f"{what}: static per-tensor scales are the HiF8 format's; format {self.format!r} "
+                             "computes its per-block / per-token scales on every call (nothing to calibrate)")
+
     # -- state
     @property
     def frozen(self) -> bool:
@@ -106,15 +122,17 @@ class HiF8Attention(nn.Module):
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"
         return (f"layout={self.layout!r}, is_causal={self.is_causal}, calibration={self.calibration!r}, "
-                f"smooth_k={self.smooth_k}, rotate={self.rotate}, mode={mode}")
+                f"smooth_k={self.smooth_k}, rotate={self.rotate}, mode={mode}, format={self.format!r}")
 
     def start_calibration(self) -> None:
         """Begin (or restart) recording batches for :meth:`freeze`."""
+        self._check_has_per_tensor_scales("calibration")
         self._observers = tuple(cal.ScaleObserver(self.calibration, process_group=self.process_group)
                                 for _ in range(3))
 
     def observe(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqused_q=None, seqused_kv=None) -> None:
         """Record one batch's statistics (what would be quantised) without computing attention."""
+        self._check_has_per_tensor_scales("observe()")
         lengths = (cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv)
         dropin_inputs.check_qkv(q, k, v, self.layout, *lengths)
         if q.device.type == "meta":
@@ -161,6 +179,7 @@ class HiF8Attention(nn.Module):
 
     def set_scales(self, q_scale, k_scale, v_scale) -> "HiF8Attention":
         """Set static scales by hand (positive floats or fp32 (1,) tensors) and switch to static mode."""
+        self._check_has_per_tensor_scales("set_scales() / scales=")
         with torch.no_grad():
             for buf, s, n in zip((self.q_scale, self.k_scale, self.v_scale), (q_scale, k_scale, v_scale),
                                  ("q_scale", "k_scale", "v_scale")):
@@ -195,12 +214,14 @@ class HiF8Attention(nn.Module):
             layout=self.layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
             seqused_kv=seqused_kv, calibration=self.calibration, smooth_k=self.smooth_k, p_scale=self.p_scale,
             scales=scales, return_softmax_lse=return_softmax_lse, backend=self.backend, rotate=self.rotate,
-            metadata=metadata, process_group=self.process_group,
+            metadata=metadata, process_group=self.process_group, format=self.format,
         )
 
 
 def _after_load(module: HiF8Attention, incompatible_keys) -> None:
     """A loaded state_dict with finite scales freezes the module (static serving)."""
+    if module.format != "hif8":
+        return  # per-block / per-token scales: the buffers are never used
     bufs = (module.q_scale, module.k_scale, module.v_scale)
     finite = all(bool(torch.isfinite(b).all()) and bool((b > 0).all()) for b in bufs)
     module._has_scales = finite

@@ -28,7 +28,9 @@ to transformers' ``sdpa`` when registered with ``fallback="sdpa"``.
 
 The same plumbing takes any attention function with :func:`qfa.hif8_attention`'s calling
 convention (``attention_fn=``): :func:`register_fp8_e4m3` registers a per-tensor FP8 E4M3
-emulation this way, so both are compared through identical code in ``qfa eval-ppl``.
+emulation this way, so both are compared through identical code in ``qfa eval-ppl``, and
+:func:`register_mxfp8` / :func:`register_fp8` the drop-in's other formats (``qfa_mxfp8``,
+``qfa_fp8``: :func:`qfa.mxfp8_attention`, :func:`qfa.fp8_attention`).
 
 transformers is an optional dependency (``pip install 'qfa[transformers]'``); it is imported
 inside :func:`register`, not when this module is imported.
@@ -50,7 +52,8 @@ from qfa.tiling.attention import HEAD_DIM  # the op's only head size
 
 FALLBACKS = (None, "sdpa")
 
-__all__ = ["register", "register_fp8_e4m3", "fp8_e4m3_adapter", "make_attention_function", "qfa_mask"]
+__all__ = ["register", "register_fp8", "register_fp8_e4m3", "register_mxfp8", "fp8_e4m3_adapter",
+           "make_attention_function", "qfa_mask"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,6 +343,22 @@ def register(name: str = "qfa_hif8", *, fallback: str | None = None, attention_f
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, qfa_mask)
     return name
+
+
+def register_mxfp8(name: str = "qfa_mxfp8", *, fallback: str | None = None, **options) -> str:
+    """Register the drop-in's MXFP8 format (:func:`qfa.mxfp8_attention`, quant_mode 1) as ``name``;
+    ``options`` as :func:`register`'s (``smooth_k``, ``p_scale``, ``backend``)."""
+    from qfa.attention import mxfp8_attention
+
+    return register(name, fallback=fallback, attention_fn=mxfp8_attention, **options)
+
+
+def register_fp8(name: str = "qfa_fp8", *, fallback: str | None = None, **options) -> str:
+    """Register the drop-in's FP8 E4M3 per-token-head format (:func:`qfa.fp8_attention`,
+    quant_mode 6) as ``name``; ``options`` as :func:`register`'s."""
+    from qfa.attention import fp8_attention
+
+    return register(name, fallback=fallback, attention_fn=fp8_attention, **options)
 
 
 # --------------------------------------------------------------------------------------------

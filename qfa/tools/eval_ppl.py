@@ -18,11 +18,17 @@ loaded with ``GgufConfig(dequantize=True)``), or the name of a model shipped in 
 (:data:`qfa.tools.models.PACKAGED`). Gzip-compressed texts are recognised and read through gzip.
 
 Attention implementations: anything transformers knows (``sdpa``, ``eager``), ``qfa_hif8``
-(HiF8 attention, :mod:`qfa.integrations.transformers`) and ``fp8_e4m3`` (a per-tensor FP8 E4M3
-emulation of the same attention, with the same K smoothing, so the comparison isolates the
-number format). Options can be attached to a name, e.g. ``qfa_hif8:calibration=amax`` or
-``qfa_hif8:smooth_k=false:p_scale=8`` (options of :func:`qfa.hif8_attention`) or
-``fp8_e4m3:smooth_k=false`` (its only option); each such spec is its own row.
+(HiF8 attention, :mod:`qfa.integrations.transformers`), the drop-in's other formats
+``qfa_mxfp8`` (MXFP8, quant_mode 1) and ``qfa_fp8`` (FP8 E4M3 per-token-head, quant_mode 6),
+and ``fp8_e4m3`` (a per-tensor FP8 E4M3 emulation of the same attention, with the same K
+smoothing, so the comparison isolates the number format). Options can be attached to a name,
+e.g. ``qfa_hif8:calibration=amax`` or ``qfa_hif8:smooth_k=false:p_scale=8`` (options of
+:func:`qfa.hif8_attention`), ``qfa_mxfp8:smooth_k=false`` (smooth_k, p_scale, backend) or
+``fp8_e4m3:smooth_k=false``; each such spec is its own row. All of them run in one process on
+the one loaded model, e.g. the format comparison::
+
+    --attn sdpa,qfa_hif8,qfa_hif8:smooth_k=false,qfa_hif8:rotate=false,qfa_hif8:rotate=false:smooth_k=false,\
+qfa_mxfp8,qfa_mxfp8:smooth_k=false,qfa_fp8,qfa_fp8:smooth_k=false
 
 ``--decode-from N`` measures what serving computes: each implementation prefills the first N
 tokens into a KV cache, then feeds every later token in its own forward pass through the cache;
@@ -46,9 +52,14 @@ from qfa.tools.models import load_model, resolve_model
 from qfa.tools.text import read_text
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-QFA_BASES = ("qfa_hif8", "fp8_e4m3")
+#: the drop-in's other formats (qfa.hif8_attention's format=): name -> its transformers registration
+FORMAT_BASES = {"qfa_mxfp8": "register_mxfp8", "qfa_fp8": "register_fp8"}
+QFA_BASES = ("qfa_hif8", "fp8_e4m3", *FORMAT_BASES)
 #: options of qfa.hif8_attention that an --attn spec may set
 HIF8_OPTIONS = {"calibration", "smooth_k", "p_scale", "backend", "rotate"}
+#: options of a qfa_mxfp8 / qfa_fp8 spec: their scales are computed per block / per token on the
+#: fly, so calibration and rotation (the HiF8 format's) are not among them
+FORMAT_OPTIONS = {"smooth_k", "p_scale", "backend"}
 #: options of a qfa_hif8 spec that a HiF8Cache takes (it encodes K and V; p_scale and backend
 #: stay with the attention call)
 CACHE_OPTIONS = ("calibration", "smooth_k", "rotate")
@@ -76,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stride tokens with window - stride tokens of context")
     parser.add_argument("--calibration", default=None,
                         help="qfa_hif8's calibration rule (default: the library's default rule)")
-    parser.add_argument("--p-scale", type=float, default=None, help="qfa_hif8's p_scale (default 1.0)")
+    parser.add_argument("--p-scale", type=float, default=None,
+                        help="qfa_hif8's p_scale (default 1.0; qfa_mxfp8 / qfa_fp8: set per spec, default 448)")
     parser.add_argument("--no-smooth-k", action="store_true",
-                        help="turn K smoothing off for qfa_hif8 and fp8_e4m3 (on by default for both)")
+                        help="turn K smoothing off for qfa_hif8, qfa_mxfp8, qfa_fp8 and fp8_e4m3 (on by default)")
     parser.add_argument("--fallback", default=None, choices=["sdpa"],
                         help="run layers qfa_hif8 cannot (head_dim != 128, sliding windows) with sdpa")
     parser.add_argument("--decode-from", type=int, default=None, metavar="N",
@@ -159,7 +171,9 @@ def make_cache(base: str, options: dict, kind: str = "hif8", config=None, *, cal
 
 
 def register_implementations(specs, *, calibration=None, p_scale=None, smooth_k=True, fallback=None) -> None:
-    """Register every qfa_hif8 / fp8_e4m3 spec of :func:`parse_attn` under its own name."""
+    """Register every qfa_hif8 / qfa_mxfp8 / qfa_fp8 / fp8_e4m3 spec of :func:`parse_attn` under its
+    own name (``calibration`` and ``p_scale`` are qfa_hif8's defaults; ``smooth_k`` and
+    ``fallback`` every spec's)."""
     from qfa.integrations import transformers as qfa_hf
 
     for name, base, options in specs:
@@ -171,6 +185,14 @@ def register_implementations(specs, *, calibration=None, p_scale=None, smooth_k=
                 raise ValueError(f"--attn {name!r}: qfa_hif8 options are {sorted(HIF8_OPTIONS | {'fallback'})}, "
                                  f"got {sorted(unknown)}")
             qfa_hf.register(name, fallback=fb, **opts)
+        elif base in FORMAT_BASES:
+            opts = {"smooth_k": smooth_k, **options}
+            fb = opts.pop("fallback", fallback)
+            unknown = set(opts) - FORMAT_OPTIONS
+            if unknown:
+                raise ValueError(f"--attn {name!r}: {base} options are {sorted(FORMAT_OPTIONS | {'fallback'})} (its "
+                                 f"scales are computed on the fly: no calibration, no rotation), got {sorted(unknown)}")
+            getattr(qfa_hf, FORMAT_BASES[base])(name, fallback=fb, **opts)
         elif base == "fp8_e4m3":
             opts = {"smooth_k": smooth_k, **options}
             fb = opts.pop("fallback", fallback)
