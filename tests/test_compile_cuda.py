@@ -153,3 +153,81 @@ def test_attention_kernel_compiles_for_sm90_with_wgmma(tmp_path):
         # 80 KiB at SUB_M = 64 (two blocks per SM); the rare NaN/Inf-in-V path must not add dots.
         assert r["shared"] <= ATTENTION_SHARED_BYTES, f"shared memory grew past 80 KiB: {r}"
     print(json.dumps(results))  # the figures, for ``pytest -s``
+
+
+#: quant_mode 1 / 6 (``qfa.kernels.scaled_attention``): the kernel's signature is read from the
+#: kernel as above; the three compiles are the largest shared-memory case (mode 1, D = 256:
+#: fp32 operand chunks), D = 72's padded block on paged K/V, and mode 6's fp16 dots.
+_SCALED_ATTENTION_SCRIPT = textwrap.dedent(
+    """
+    import json, re, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from qfa.kernels import scaled_attention as S
+    from qfa.tiling.attention import BLOCK_M
+    from qfa.tiling.spec import KEY_BLOCK, QuantMode
+
+    # float8 q/k/v as uint8 bytes; E8M0 descales as uint8 (mode 1) or fp32 scales (mode 6);
+    # bf16 out as int16 bits; the per-batch table, block table and v_descale rows as int32.
+    def pointers(mode):
+        scale = "*u8" if mode == 1 else "*fp32"
+        return {"q_ptr": "*u8", "k_ptr": "*u8", "v_ptr": "*u8", "qs_ptr": scale, "ks_ptr": scale, "vs_ptr": scale,
+                "out_ptr": "*i16", "lse_ptr": "*fp32", "scalars_ptr": "*fp32", "seq_ptr": "*i32",
+                "table_ptr": "*i32", "vrow_ptr": "*i32"}
+    INTEGERS = {"batch", "heads_q", "group", "n_tiles", "page", "stt"}
+    STRIDE = re.compile(r"s[qkvol][bhsd]|[qkv]s[a-z2]")  # sqb, ... and the descales' qsn, ks2, vsr, ...
+
+    def signature(kernel, constexprs, ptrs):
+        sig, consts = {}, {}
+        for p in kernel.params:
+            if p.is_constexpr:
+                if p.name not in constexprs:
+                    sys.exit(f"constexpr {p.name!r} of {kernel.__name__} has no value in this test: add it")
+                sig[p.name], consts[p.name] = "constexpr", constexprs[p.name]
+            elif p.name in ptrs:
+                sig[p.name] = ptrs[p.name]
+            elif p.name in INTEGERS or STRIDE.fullmatch(p.name):
+                sig[p.name] = "i32"
+            else:
+                sys.exit(f"argument {p.name!r} of {kernel.__name__} has no type in this test: add it")
+        return sig, consts
+
+    launch = S.LAUNCH["cuda"]
+    options = {k: v for k, v in (("num_warps", launch.num_warps), ("num_stages", launch.num_stages)) if v is not None}
+    results = []
+    for mode, d, causal, lse, paged in ((1, 256, True, True, False), (1, 72, False, False, True),
+                                        (6, 128, True, True, True)):
+        consts = {"BLOCK_M": BLOCK_M, "SUB_M": min(launch.sub_m, BLOCK_M), "BLOCK_N": KEY_BLOCK[QuantMode(mode)],
+                  "CHUNK": launch.chunk, "HEAD_DIM": d, "D_PAD": triton.next_power_of_2(d), "MODE": mode,
+                  "CAUSAL": causal, "RETURN_LSE": lse, "PAGED": paged}
+        sig, consts = signature(S._scaled_attention_kernel, consts, pointers(mode))
+        k = triton.compile(ASTSource(fn=S._scaled_attention_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = k.asm["ptx"]
+        results.append({"mode": mode, "d": d, "causal": causal, "lse": lse, "paged": paged, "options": options,
+                        "wgmma": ptx.count("wgmma.mma_async"), "shared": k.metadata.shared,
+                        "num_warps": k.metadata.num_warps, "num_stages": k.metadata.num_stages,
+                        "loads": ptx.count("ld.global")})
+    print(json.dumps(results))
+    """
+)
+
+
+def test_scaled_attention_kernel_compiles_for_sm90(tmp_path):
+    """The quant_mode 1 / 6 kernel compiles for sm_90 with ``LAUNCH["cuda"]``'s options (64-key
+    chunks, two passes per 512-key block) and its shared memory fits one H100/H200 block. Mode
+    6's fp16 dots become wgmma; mode 1's dots are fp32 "ieee" (exact for 2^-127-scaled
+    operands), so they run on FMA units, not on wgmma."""
+    from qfa.kernels.scaled_attention import LAUNCH
+
+    results = json.loads(_compile(tmp_path, _SCALED_ATTENTION_SCRIPT).strip().splitlines()[-1])
+    launch = LAUNCH["cuda"]
+    assert [(r["mode"], r["d"]) for r in results] == [(1, 256), (1, 72), (6, 128)]
+    for r in results:
+        assert r["num_warps"] == (launch.num_warps or r["num_warps"])
+        assert r["num_stages"] == (launch.num_stages or r["num_stages"])
+        assert r["loads"] > 0
+        assert 0 < r["shared"] <= SM90_MAX_SHARED_BYTES, f"shared memory over the sm_90 limit: {r}"
+        assert (r["wgmma"] > 0) == (r["mode"] == 6), f"wgmma exactly in mode 6's fp16 dots: {r}"
+    print(json.dumps(results))  # the figures, for ``pytest -s``
