@@ -26,7 +26,9 @@ hold 2^-127-scaled values, and bf16 drops the low bits of subnormal ones (and bf
 wrong under the 3.8/3.9 interpreter). Mode 6's operands are unscaled E4M3 values and E4M3 P,
 exact in fp16 (|x| <= 448, down to 2^-9), so its dots take fp16 with fp32 accumulation. Each
 product of two 4-significant-bit values is exact in fp32: the result differs from the torch
-path in fp32 summation order only.
+path in fp32 summation order only. On sm_90 this means mode 6's dots are wgmma and mode 1's run
+on the FMA units (exact, slower); bf16 tensor-core dots would be exact only for scaled values
+>= 2^-130, i.e. scales >= 2^-121, which a kernel cannot know without reading the scales.
 
 The 512-key block. Its row max must be taken over all 512 keys before any exp (numerics). The
 interpreter computes a block's scores in one dot (``chunk`` = 512, fastest there); on a GPU a

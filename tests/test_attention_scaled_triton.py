@@ -109,6 +109,23 @@ def test_mxfp8_paged_matches_torch_and_equals_contiguous(layout_kv, block_size, 
     _check(paged, _run(paged_args, paged_kwargs, "torch"))
 
 
+def test_mxfp8_paged_kv_strided_along_the_block_axis_equals_contiguous():
+    """k / v as views with a block stride of twice their block (PA_BNBD allows it): read
+    through the plan's strides, the contiguous call's bits."""
+    case = mx_case((4,), (300,), d=64, seed=9)
+    args, kwargs = mx_call(case, p_scale=104.0)
+    flat = _run(args, kwargs, "triton")
+    k, v, kd, vd, table = page_mx(case, "PA_BNBD", 64, torch.Generator().manual_seed(2))
+    wide = lambda t: torch.stack([t.view(torch.uint8), torch.full_like(t.view(torch.uint8), E4M3_NAN)], 1)[:, 0]  # noqa: E731
+    k2, v2 = wide(k).view(k.dtype), wide(v).view(v.dtype)
+    assert not k2.is_contiguous() and k2.stride(0) == 2 * k.stride(0)
+    kwargs.pop("cu_seqlens_kv")
+    paged = _run((args[0], k2, v2, args[3], kd, vd, 1),
+                 dict(kwargs, block_table=table, layout_kv="PA_BNBD",
+                      seqused_kv=torch.tensor(case["kv_lens"], dtype=torch.int32)), "triton")
+    _bits_equal(paged, flat)
+
+
 def test_mxfp8_nan_in_v_reaches_only_the_rows_that_see_it():
     """NaN V elements at keys 298 (seen by the last two causal rows) and 299 (the last row only),
     and NaN elements and a NaN scale group past seqused_kv in the same 512-key block: exactly the
