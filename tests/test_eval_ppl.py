@@ -284,3 +284,22 @@ def test_decode_from_errors(tiny_model_dir, capsys):
         with pytest.raises(SystemExit) as exc:
             _parse(base + extra)
         assert exc.value.code == 2
+
+
+def test_format_specs_run_in_one_process(tiny_model_dir, capsys):
+    """qfa_mxfp8 and qfa_fp8 (with and without K smoothing) beside sdpa and qfa_hif8: one run, one
+    loaded model, one row each; their HiF8-only options are refused by name."""
+    specs = "sdpa,qfa_hif8,qfa_mxfp8,qfa_mxfp8:smooth_k=false,qfa_fp8,qfa_fp8:p_scale=104"
+    args = _parse(["--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt.gz"), "--tokens", "24",
+                   "--attn", specs])
+    assert eval_ppl.run(args) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    for name in specs.split(","):
+        (cells,) = rows[(24, name)]
+        ppl, top1 = float(cells[4]), float(cells[6])
+        assert math.isfinite(ppl) and 0.5 <= top1 <= 1.0
+    base = ["--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt.gz"), "--tokens", "24"]
+    for spec in ("qfa_mxfp8:rotate=true", "qfa_fp8:calibration=amax"):
+        assert eval_ppl.run(_parse(base + ["--attn", f"sdpa,{spec}"])) == 2
+        err = capsys.readouterr().err
+        assert "no calibration, no rotation" in err and spec.split(":")[1].split("=")[0] in err

@@ -23,6 +23,8 @@ Two kinds of checks:
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+import qfa  # noqa: E402
 import qfa.integrations.transformers as qfa_hf  # noqa: E402
 
 VOCAB = 512
@@ -332,3 +335,35 @@ def test_fp8_e4m3_adapter():
         torch.testing.assert_close(packed[a:b], tnd(alone), rtol=0, atol=0)
     with pytest.raises(ValueError, match="layout"):
         qfa_hf.fp8_e4m3_adapter(q, k, v, layout="BSND")
+
+
+# ----------------------------------------------------------------------------- the drop-in's other formats
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8"])
+def test_format_names_run_a_tiny_model(fmt):
+    """qfa_mxfp8 / qfa_fp8 (register_mxfp8 / register_fp8): the drop-in's format through the same
+    plumbing. The same yardsticks as qfa_hif8's (3 mantissa bits: a few per cent on the output),
+    and padding: left and right pack the same tokens, so they agree up to float rounding in the
+    linear layers."""
+    name = (qfa_hf.register_mxfp8 if fmt == "mxfp8" else qfa_hf.register_fp8)()
+    assert name == f"qfa_{fmt}"
+    model = tiny_model("qwen2")
+    x = ids(2, 64)
+    ref = logits(model, "sdpa", x)
+    got = logits(model, name, x)
+    assert min_cosine(got, ref) > 0.99 and rel_l2(got, ref) < 0.1
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.75
+    # the registered function is the drop-in with the format set (bits equal to a direct call)
+    direct = "qfa_direct_" + fmt
+    qfa_hf.register(direct, attention_fn=functools.partial(qfa.hif8_attention, format=fmt, rotate=False))
+    assert torch.equal(logits(model, direct, x), got)
+    seqs = [ids(1, 40, seed=9)[0], ids(1, 17, seed=10)[0]]
+    outs = {}
+    for side in ("left", "right"):
+        input_ids, mask, pos = _pad(seqs, side)
+        out = logits(model, name, input_ids, attention_mask=mask, position_ids=pos)
+        outs[side] = [_valid_logits(out, mask, i) for i in range(len(seqs))]
+    for i, s in enumerate(seqs):
+        assert min_cosine(outs["left"][i], outs["right"][i]) > 0.9999
+        alone = logits(model, "sdpa", s[None])[0]
+        assert min_cosine(outs["left"][i], alone) > 0.99
