@@ -187,6 +187,19 @@ def test_thin_names_and_the_custom_op_are_the_same_call(fmt):
     assert torch.equal(module(q, k, v), want)
 
 
+@pytest.mark.parametrize("fmt", E4M3_FORMATS)
+def test_under_torch_compile_the_format_crosses_the_custom_op(fmt):
+    """fullgraph: the whole call is torch.ops.qfa.hif8_attention with format= in its schema; the
+    op's fake gives the shapes (opcheck), and the compiled call gives the eager bits."""
+    q, k, v = _qkv(b=1, sq=9, skv=20)
+    thin = qfa.mxfp8_attention if fmt == "mxfp8" else qfa.fp8_attention
+    compiled = torch.compile(lambda q, k, v: thin(q, k, v, is_causal=True), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), thin(q, k, v, is_causal=True))
+    torch.library.opcheck(torch.ops.qfa.hif8_attention.default, (q, k, v),
+                          dict(rotate=False, format=fmt, return_softmax_lse=True, is_causal=True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_a_nan_stays_in_the_rows_that_read_it():
     """MXFP8: a NaN in one query token makes that token's 32-channel block's scale NaN, so only
     its row (for that head) is NaN, as in exact attention."""

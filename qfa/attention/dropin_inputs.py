@@ -3,9 +3,10 @@
 The rules the drop-in shares with ``quant_flash_attn`` (shapes, per-sequence lengths, devices,
 softmax_scale, p_scale) are the op's own, from ``qfa.tiling``: the same mistake gets the same
 message from both. What is the drop-in's alone (float dtypes, the per-tensor scales, the
-calibration rule, the ``format`` and what each format takes) is here. Nothing but :func:`check_length_values` reads a tensor's value, so
-``torch.compile`` traces the rest; that one runs in the computation, before the K means use the
-lengths (inside the custom op under ``torch.compile``).
+calibration rule, the ``format`` and what each format takes) is here. Nothing but
+:func:`check_length_values` reads a tensor's value, so ``torch.compile`` traces the rest; that
+one runs in the computation, before the K means use the lengths (inside the custom op under
+``torch.compile``).
 """
 
 from __future__ import annotations
