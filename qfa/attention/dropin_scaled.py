@@ -5,7 +5,7 @@ then ``quant_flash_attn`` in quant_mode 1 or 6 (``shared/docs/quant-flash-attn-f
   token, head and 32 channels), V in blocks of 32 keys of one sequence per channel
   (:mod:`qfa.cast.mxfp8`); q, k, v and out in TND with ``cu_seqlens``.
 * ``"fp8"`` (mode 6): Q and K in FP8 E4M3 with one fp32 scale per token and head, V with one
-  per head (:mod:`qfa.cast.fp8`); q in NTD, k and v in PA_BNBD blocks of 128 keys (each
+  per head over the valid keys of every sequence of the call (:mod:`qfa.cast.fp8`); q in NTD, k and v in PA_BNBD blocks of 128 keys (each
   sequence's keys padded to a multiple of 128, an identity ``block_table``, ``seqused_kv``),
   out in TND.
 
