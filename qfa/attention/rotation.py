@@ -40,6 +40,22 @@ def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _hadamard_on(n, torch.device(device))
 
 
+#: CPU rotations of at most this many elements run on one thread (ATen's grain size: below it
+#: ATen runs its own elementwise ops serially). A decode step rotates a few rows per layer, four
+#: times; a parallel region for so little work costs more than the product, and on a loaded
+#: machine each one waits for a descheduled thread: ~3 ms a call instead of ~40 us (measured,
+#: 2 shared cores). The bits are the same on one thread (tests/test_hif8_cache.py checks it).
+SERIAL_ELEMENTS = 32768
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H`` over the last dimension, in fp32 (H is its own inverse, and symmetric)."""
-    return matmul_nt(x.float(), hadamard(x.shape[-1], x.device))
+    h = hadamard(x.shape[-1], x.device)
+    threads = torch.get_num_threads()
+    if x.device.type != "cpu" or x.numel() > SERIAL_ELEMENTS or threads == 1:
+        return matmul_nt(x.float(), h)
+    torch.set_num_threads(1)  # this thread's OpenMP count: other threads keep theirs
+    try:
+        return matmul_nt(x.float(), h)
+    finally:
+        torch.set_num_threads(threads)

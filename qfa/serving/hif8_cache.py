@@ -187,8 +187,8 @@ class HiF8Layer(DynamicLayer):
         tokens among them, or None (all real). The first tokens fix the scales and key means."""
         if not self._pending:
             return
-        k = torch.cat([p[0] for p in self._pending], dim=2)
-        v = torch.cat([p[1] for p in self._pending], dim=2)
+        k = _cat([p[0] for p in self._pending], dim=2)
+        v = _cat([p[1] for p in self._pending], dim=2)
         self._pending = []
         b, _, s, _ = k.shape
         if valid is None:  # every token real: no mask to read, no gather
@@ -291,9 +291,9 @@ class HiF8Layer(DynamicLayer):
         self._pending = []
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat along tokens; one part is returned as it is (no copy of a decode step's token)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat; one part is returned as it is (no copy of a decode step's token)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _grown(store: torch.Tensor, need: int) -> torch.Tensor:
