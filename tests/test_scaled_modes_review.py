@@ -315,3 +315,90 @@ def test_window_errors_name_the_mode():
     with pytest.raises(ValueError, match=r"^win_left must be -1") as err:
         quant_flash_attn(*args, win_left=0, **kwargs)
     assert "HiF8" not in str(err.value)
+
+
+# --- Descale layouts written from the doc's words, not from qfa.cast.mxfp8 (passes) ----------------
+
+
+def _codes(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.uint8).numpy()
+
+
+def _hand_packed(case, table: torch.Tensor, num_blocks: int, block_size: int) -> dict[str, np.ndarray]:
+    """Every quant_mode 1 descale of ``case`` as the family doc states its layout, by index
+    arithmetic alone (pair slot j of pair p holds the scale of group 2p + j; unused slots 127):
+    q TND (Q_T, Q_N, ceil(D/64), 2) and N2TGD (KV_N, Q_T, G, ceil(D/64), 2) with h = n * G + g;
+    k TND (KV_T, KV_N, ceil(D/64), 2); v TND (sum_b ceil(kv_len_b/64), KV_N, D, 2) of 32-key groups
+    counted from each sequence's start; paged k / v of the sequences' keys in ``table``'s blocks
+    (unfilled slots 255) in PA_BBND, PA_BNBD and PA_NZ (k (Bn, KV_N, Bs/16, D/64, 16, 2): token
+    16 i + r of the block at [.., i, .., r, ..]; v (Bn, KV_N, D/16, Bs/64, 16, 2): channel 16 i + r)."""
+    qs, ks = _codes(case["q_scales"]), _codes(case["k_scales"])
+    tq, nq, groups = qs.shape
+    tk, nkv, _ = ks.shape
+    d, g_q = case["d"], nq // nkv
+    pairs = -(-groups // 2)
+    out = {"q_TND": np.full((tq, nq, pairs, 2), 127, np.uint8), "q_N2TGD": np.full((nkv, tq, g_q, pairs, 2), 127, np.uint8),
+           "k_TND": np.full((tk, nkv, pairs, 2), 127, np.uint8)}
+    for g in range(groups):
+        out["q_TND"][:, :, g // 2, g % 2] = qs[:, :, g]
+        out["k_TND"][:, :, g // 2, g % 2] = ks[:, :, g]
+        for h in range(nq):
+            out["q_N2TGD"][h // g_q, :, h % g_q, g // 2, g % 2] = qs[:, h, g]
+    rows = sum(-(-n // 64) for n in case["kv_lens"])
+    out["v_TND"] = np.full((rows, nkv, d, 2), 127, np.uint8)
+    row = 0
+    for b, n in enumerate(case["kv_lens"]):
+        vs = _codes(case["v_scales"][b])
+        for t in range(vs.shape[0]):
+            out["v_TND"][row + t // 2, :, :, t % 2] = vs[t]
+        row += -(-n // 64)
+    bn, bs = num_blocks, block_size
+    out["k_PA_BBND"] = np.full((bn, bs, nkv, pairs, 2), 255, np.uint8)
+    out["k_PA_BNBD"] = np.full((bn, nkv, bs, pairs, 2), 255, np.uint8)
+    out["k_PA_NZ"] = np.full((bn, nkv, bs // 16, pairs, 16, 2), 255, np.uint8)
+    out["v_PA_BBND"] = np.full((bn, bs // 64, nkv, d, 2), 255, np.uint8)
+    out["v_PA_BNBD"] = np.full((bn, nkv, bs // 64, d, 2), 255, np.uint8)
+    out["v_PA_NZ"] = np.full((bn, nkv, d // 16, bs // 64, 16, 2), 255, np.uint8)
+    start = 0
+    for b, n in enumerate(case["kv_lens"]):
+        vs = _codes(case["v_scales"][b])
+        for j in range(-(-n // bs)):
+            blk = int(table[b, j])
+            for s in range(min(bs, n - j * bs)):  # key j * bs + s of sequence b
+                for g in range(groups):
+                    code = ks[start + j * bs + s, :, g]
+                    out["k_PA_BBND"][blk, s, :, g // 2, g % 2] = code
+                    out["k_PA_BNBD"][blk, :, s, g // 2, g % 2] = code
+                    out["k_PA_NZ"][blk, :, s // 16, g // 2, s % 16, g % 2] = code
+            for t in range(-(-min(bs, n - j * bs) // 32)):  # 32-key group t of the block
+                code = vs[j * bs // 32 + t]  # (KV_N, D)
+                out["v_PA_BBND"][blk, t // 2, :, :, t % 2] = code
+                out["v_PA_BNBD"][blk, :, t // 2, :, t % 2] = code
+                for c in range(d):
+                    out["v_PA_NZ"][blk, :, c // 16, t // 2, c % 16, t % 2] = code[:, c]
+        start += n
+    return out
+
+
+def test_descale_layouts_are_the_docs_and_the_op_reads_them_so():
+    case = mx_case((3, 2), (200, 70), nq=6, nkv=2, d=128, seed=31)
+    args, kwargs = mx_call(case, causal=True, p_scale=104.0)
+    k, v, kd, vd, table = page_mx(case, "PA_BBND", 64, torch.Generator().manual_seed(4))
+    hand = _hand_packed(case, table, k.shape[0], 64)
+    e8m0 = lambda a: torch.from_numpy(np.ascontiguousarray(a)).view(mxfp8.E8M0)  # noqa: E731
+    qfa_packed = {"q_TND": args[3], "q_N2TGD": mxfp8.pack_q_descale(case["q_scales"], "N2TGD", num_heads_kv=2),
+                  "k_TND": args[4], "v_TND": args[5], "k_PA_BBND": kd, "v_PA_BBND": vd}
+    for layout in ("PA_BNBD",):
+        _, _, qfa_packed[f"k_{layout}"], qfa_packed[f"v_{layout}"], _ = page_mx(case, layout, 64,
+                                                                             torch.Generator().manual_seed(4))
+    for name, t in qfa_packed.items():
+        assert np.array_equal(_codes(t), hand[name]), name
+    # The op on the hand-made N2TGD q_descale and PA_NZ k/v descales: the TND call's bits.
+    tnd = quant_flash_attn(*args, **kwargs)
+    kwargs.pop("cu_seqlens_kv")
+    bnbd_k, bnbd_v = (t.view(torch.uint8).transpose(1, 2).contiguous().view(E4M3) for t in (k, v))
+    nz = quant_flash_attn(args[0], _to_nz(bnbd_k), _to_nz(bnbd_v), e8m0(hand["q_N2TGD"]), e8m0(hand["k_PA_NZ"]),
+                          e8m0(hand["v_PA_NZ"]), 1, block_table=table, layout_kv="PA_NZ",
+                          seqused_kv=torch.tensor(case["kv_lens"], dtype=torch.int32),
+                          **dict(kwargs, layout_q_descale="N2TGD"))
+    assert _same(nz, tnd)
