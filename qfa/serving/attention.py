@@ -121,13 +121,7 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
     if q_scale is None:
         flat = q_rot[0].reshape(-1) if b == 1 else torch.cat([t.reshape(-1) for t in q_rot])
         q_scale = cal.check_scale(layer.rule(flat), "q scale from the calibration rule")
-    width = max(counts)
-    if all(c == width for c in counts):
-        q_codes = torch.stack([cal.quantize(t, q_scale) for t in q_rot]) if b > 1 else cal.quantize(q_rot[0], q_scale)[None]
-    else:
-        q_codes = torch.zeros(b, nq, width, d, dtype=torch.uint8, device=query.device)
-        for i, t in enumerate(q_rot):
-            q_codes[i, :, :counts[i]] = cal.quantize(t, q_scale)
+    q_codes = _rows_to_batch([cal.quantize(t, q_scale) for t in q_rot], counts, max(counts), 1, 0)  # BNSD
     mask_mode = MaskMode.CAUSAL if is_causal else MaskMode.NONE
     seqused_q = torch.tensor(counts, dtype=torch.int32, device=query.device)
     seqused_kv = layer.lengths.to(torch.int32)
@@ -140,28 +134,34 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
         metadata=metadata, mask_mode=mask_mode, softmax_scale=scale, return_softmax_lse=return_softmax_lse,
         backend=backend,
     )
-    full = rows is None or all(c == sq for c in counts)
-    out = None if full else query.new_zeros(b, sq, nq, d)
-    lse = None if full else torch.full((b, nq, sq), float("inf"), dtype=torch.float32, device=query.device)
     outs, lses = [], []
     for i in range(b):
         o_i = o[i, :, :counts[i]]
         o_i = rotation.rotate(o_i) if layer.rotate else o_i  # H is its own inverse
-        o_i = o_i.transpose(0, 1).to(query.dtype)
-        l_i = None
+        outs.append(o_i.to(query.dtype))
         if return_softmax_lse:
             l_i = l[i, :, :counts[i]]
             if layer.k_mean is not None:  # the scores were q.(k - mu): add q.mu back
                 shift = lse_shift(q_seq[i][None], layer.k_mean[i][None], "BNSD", None, scale)[0]
                 l_i = torch.where(torch.isinf(l_i), l_i, l_i + shift)
-        if full:
-            outs.append(o_i)
             lses.append(l_i)
-        else:
-            out[i, rows[i]] = o_i
-            if return_softmax_lse:
-                lse[i][:, rows[i]] = l_i
-    if full:
-        out = torch.stack(outs)  # (B, Sq, Nq, D), contiguous
-        lse = torch.stack(lses) if return_softmax_lse else None
-    return (out, lse) if return_softmax_lse else out
+    out = _rows_to_batch(outs, counts, sq, 1, 0, rows).transpose(1, 2).contiguous()  # BSND
+    if not return_softmax_lse:
+        return out
+    return out, _rows_to_batch(lses, counts, sq, 1, float("inf"), rows)
+
+
+def _rows_to_batch(parts: list[torch.Tensor], counts: list[int], width: int, axis: int, fill: float,
+                   rows: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Stack per-sequence tensors holding ``counts[i]`` rows along ``axis`` (of the part) into
+    one batch of ``width`` rows: at positions ``rows[i]`` (sorted; None: the first counts[i]),
+    ``fill`` elsewhere. When every sequence fills every row, they are stacked as they are."""
+    if all(c == width for c in counts):
+        return torch.stack(parts)
+    shape = list(parts[0].shape)
+    shape[axis] = width
+    batch = parts[0].new_full((len(parts), *shape), fill)
+    for i, part in enumerate(parts):
+        index = torch.arange(counts[i], device=part.device) if rows is None else rows[i]
+        batch[i].index_copy_(axis, index, part)
+    return batch
