@@ -49,7 +49,8 @@ ScaleTriple = tuple  # (q_scale | None, k_scale | None, v_scale | None)
 
 #: Headroom of a growth: the code tensors grow to n + n // GROWTH_DIVISOR tokens when n do not fit.
 #: Geometric, so appends are amortised O(1); 1/32 keeps the bytes held within 3.2 % of those used
-#: (a 2048-token prefill plus decode holds 2112 tokens: 0.516x a bf16 DynamicCache, the claim <= 0.52x).
+#: (a 2048-token prefill gets room for 2112: at most 0.516x a bf16 DynamicCache's bytes there,
+#: inside the README's <= 0.52x; 256 tokens or 1/16 of headroom would not be).
 GROWTH_DIVISOR = 32
 
 #: What may be done with a :class:`CacheHandle`: read its metadata.
