@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #endif
 
+#include <dlfcn.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -104,6 +105,104 @@ Buffer alloc(int64_t n) {
   return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
 }
 
+// ---- HiF8 decode ------------------------------------------------------------------------------
+// The fp32 value of a code is a bf16 pattern (low 16 bits zero) whose sign is the code's bit 7
+// (code 0x80 is NaN). The two bytes of the bf16 pattern of the 128 magnitudes are looked up with
+// vpshufb in 16-entry segments chained by xor: for a magnitude in segment k, the lookups of
+// segments 0..k hit (index - 16 i keeps bit 7 clear) and telescope to segment k's byte; those of
+// later segments see bit 7 set and add 0. A decode table without that structure (none today)
+// falls back to scalar lookups. Non-finite values are flagged from the codes as they are decoded.
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define QFA_SIMD 1
+#endif
+
+struct Decoder {
+  float table[256];
+  bool simd = false;
+#ifdef QFA_SIMD
+  __m256i hi_t[8], lo_t[8], nan_hi, nan_lo;
+#endif
+
+  void init(const float* t) {
+    std::memcpy(table, t, sizeof(table));
+    uint32_t bits[256];
+    std::memcpy(bits, t, sizeof(bits));
+    bool ok = bits[0] == 0;
+    for (int x = 0; x < 256; ++x) {
+      ok = ok && (bits[x] & 0xFFFFu) == 0;
+      const bool finite = std::isfinite(t[x]);
+      ok = ok && finite == !(x == 0x80 || (x & 0x7F) == 0x6F);
+    }
+    for (int x = 1; x < 128; ++x) ok = ok && bits[x | 0x80] == (bits[x] | 0x80000000u);
+#ifdef QFA_SIMD
+    simd = ok;
+    if (!simd) return;
+    alignas(32) uint8_t h[8][32], l[8][32];
+    for (int i = 0; i < 8; ++i) {
+      for (int n = 0; n < 16; ++n) {
+        const uint32_t cur = bits[16 * i + n], prev = i ? bits[16 * (i - 1) + n] : 0u;
+        h[i][n] = h[i][n + 16] = static_cast<uint8_t>(((cur ^ prev) >> 24) & 0xFF);
+        l[i][n] = l[i][n + 16] = static_cast<uint8_t>(((cur ^ prev) >> 16) & 0xFF);
+      }
+      hi_t[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(h[i]));
+      lo_t[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l[i]));
+    }
+    nan_hi = _mm256_set1_epi8(static_cast<char>((bits[0x80] >> 24) & 0xFF));
+    nan_lo = _mm256_set1_epi8(static_cast<char>((bits[0x80] >> 16) & 0xFF));
+#else
+    (void)ok;
+#endif
+  }
+
+#ifdef QFA_SIMD
+  // 32 contiguous codes to fp32; returns a mask, nonzero where a code is not finite.
+  inline __m256i decode32(const uint8_t* p, float* d) const {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(0x7F));
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    __m256i x = m, hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      hi = _mm256_xor_si256(hi, _mm256_shuffle_epi8(hi_t[i], x));
+      lo = _mm256_xor_si256(lo, _mm256_shuffle_epi8(lo_t[i], x));
+      x = _mm256_sub_epi8(x, sixteen);
+    }
+    hi = _mm256_or_si256(hi, _mm256_and_si256(c, _mm256_set1_epi8(static_cast<char>(0x80))));
+    const __m256i nan = _mm256_cmpeq_epi8(c, _mm256_set1_epi8(static_cast<char>(0x80)));
+    hi = _mm256_blendv_epi8(hi, nan_hi, nan);
+    lo = _mm256_blendv_epi8(lo, nan_lo, nan);
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i wl = _mm256_unpacklo_epi8(lo, hi), wh = _mm256_unpackhi_epi8(lo, hi);
+    const __m256i f0 = _mm256_unpacklo_epi16(z, wl), f1 = _mm256_unpackhi_epi16(z, wl);
+    const __m256i f2 = _mm256_unpacklo_epi16(z, wh), f3 = _mm256_unpackhi_epi16(z, wh);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm256_permute2x128_si256(f0, f1, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 8), _mm256_permute2x128_si256(f2, f3, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm256_permute2x128_si256(f0, f1, 0x31));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 24), _mm256_permute2x128_si256(f2, f3, 0x31));
+    return _mm256_or_si256(nan, _mm256_cmpeq_epi8(m, _mm256_set1_epi8(0x6F)));
+  }
+#endif
+
+  // n codes at stride st to fp32; returns whether every value is finite.
+  inline bool decode(const uint8_t* p, int64_t st, float* d, int64_t n) const {
+    int64_t x = 0;
+    bool finite = true;
+    if (st == 1) {
+#ifdef QFA_SIMD
+      if (simd) {
+        __m256i bad = _mm256_setzero_si256();
+        for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32(p + x, d + x));
+        finite = _mm256_testz_si256(bad, bad);
+      }
+#endif
+      for (; x < n; ++x) { d[x] = table[p[x]]; finite = finite && std::isfinite(d[x]); }
+      return finite;
+    }
+    for (; x < n; ++x) { d[x] = table[p[x * st]]; finite = finite && std::isfinite(d[x]); }
+    return finite;
+  }
+};
+
 // ---- the call -------------------------------------------------------------------------------
 
 struct Call {
@@ -120,7 +219,9 @@ struct Call {
   std::vector<int64_t> q_starts, kv_starts, q_lens, kv_lens;
   bool causal;
   float dscale, ln_p, v_descale;
-  float decode[256];
+  Decoder dec;
+  // Per batch, per (kv head, block): whether the pre-decoded V block is finite.
+  std::vector<std::vector<uint8_t>> v_finite;
   RoundConsts rc;
   // Pre-decoded fp32 K and V, per batch: (heads_kv, kv_len, dim), or empty (decode on the fly).
   std::vector<float*> k_dec, v_dec;
@@ -150,36 +251,14 @@ inline at::Tensor wrap(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
-// fp32 values of n contiguous codes (n a multiple of the vector width): a gather from the
-// 1 KiB table, which stays in L1.
-inline void decode_contiguous(const float* table, const uint8_t* p, float* d, int64_t n) {
-  int64_t x = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  for (; x + 16 <= n; x += 16) {
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x)));
-    _mm512_storeu_ps(d + x, _mm512_i32gather_ps(idx, table, 4));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  for (; x + 8 <= n; x += 8) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + x)));
-    _mm256_storeu_ps(d + x, _mm256_i32gather_ps(table, idx, 4));
-  }
-#endif
-  for (; x < n; ++x) d[x] = table[p[x]];
-}
-
-// Decode rows [j0, j1) of kv head h of batch b (codes strided) into dst (rows x dim).
-inline void decode_rows(const Call& c, const uint8_t* base, const int64_t* st, int64_t b, int64_t h,
-                        int64_t start, int64_t j0, int64_t j1, float* dst) {
+// Decode rows [j0, j1) of kv head h of batch b (codes strided) into dst (rows x dim); returns
+// whether every value is finite.
+inline bool decode_rows(const Decoder& dc, int64_t dim, const uint8_t* base, const int64_t* st, int64_t b,
+                        int64_t h, int64_t start, int64_t j0, int64_t j1, float* dst) {
   const uint8_t* p = base + b * st[0] + h * st[1] + (start + j0) * st[2];
-  for (int64_t j = j0; j < j1; ++j, p += st[2]) {
-    float* d = dst + (j - j0) * c.dim;
-    if (st[3] == 1) {
-      decode_contiguous(c.decode, p, d, c.dim);
-    } else {
-      for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x * st[3]]];
-    }
-  }
+  bool finite = true;
+  for (int64_t j = j0; j < j1; ++j, p += st[2]) finite = dc.decode(p, st[3], dst + (j - j0) * dim, dim) && finite;
+  return finite;
 }
 
 // Q tile rows in (position, group) order: row (i - t0) * G + g holds q head h * G + g.
@@ -189,11 +268,7 @@ void load_q(const Call& c, const Item& it, float* dst) {
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* p = c.q + it.b * c.sq[0] + (it.h * G + g) * c.sq[1] + (c.q_starts[it.b] + i) * c.sq[2];
       float* d = dst + ((i - it.t0) * G + g) * c.dim;
-      if (c.sq[3] == 1) {
-        decode_contiguous(c.decode, p, d, c.dim);
-      } else {
-        for (int64_t x = 0; x < c.dim; ++x) d[x] = c.decode[p[x * c.sq[3]]];
-      }
+      c.dec.decode(p, c.sq[3], d, c.dim);
     }
   }
 }
@@ -213,6 +288,82 @@ inline int64_t columns(const Call& c, const Item& it, int64_t j0, int64_t nk) {
   return std::max<int64_t>(0, std::min(nk, it.t1 + offset_of(c, it.b) - j0));
 }
 
+// ---- few-row blocks (decode): fused decode + dot products ----------------------------------------
+// With a handful of rows (new tokens x the GQA group), a GEMM call per block is mostly overhead
+// and the decode of K and V dominates. These kernels decode 8 keys at a time into an L1 buffer
+// and run the dot products from there, in a fixed order (lanes of 8 dims, then a fixed add
+// tree; keys in ascending order for P @ V). Whether a block takes this path depends only on
+// the item's shape, so the bits never depend on the thread count.
+constexpr int64_t kFusedRows = 16;
+constexpr int64_t kGroup = 8;  // keys per decoded group
+constexpr int64_t kFusedDim = 128;  // HEAD_DIM: constant offsets keep the row pointers in registers
+
+inline bool fused(const Call& c, int64_t rows) {
+#ifdef QFA_SIMD
+  return rows <= kFusedRows && c.dim == kFusedDim;
+#else
+  (void)c; (void)rows;
+  return false;
+#endif
+}
+
+// Rows of keys [g0, g0 + n) of the item's block at j0: pre-decoded (pre), or decoded into buf.
+inline const float* key_rows(const Call& c, const Item& it, const uint8_t* base, const int64_t* st, const float* pre,
+                             int64_t j0, int64_t g0, int64_t n, float* buf) {
+  if (pre) return pre + g0 * c.dim;
+  decode_rows(c.dec, c.dim, base, st, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, buf);
+  return buf;
+}
+
+#ifdef QFA_SIMD
+// [sum(a0), ..., sum(a7)]
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0 (K pre-decoded or codes).
+void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int64_t lo, int64_t R, int64_t nc,
+              Scratch& sc, float* dst) {
+  constexpr int64_t D = kFusedDim;
+  const int64_t BN = c.block_n;
+  float* buf = sc.k.get();
+  for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
+    const int64_t n = std::min(kGroup, nc - g0);
+    const float* kr = key_rows(c, it, c.k, c.sk, kpre, j0, g0, n, buf);
+    if (n < kGroup) {  // a short last group: pad with zero keys (their scores are not stored)
+      if (kr != buf) { std::memcpy(buf, kr, sizeof(float) * n * D); kr = buf; }
+      std::memset(buf + n * D, 0, sizeof(float) * (kGroup - n) * D);
+    }
+    for (int64_t r = lo; r < R; ++r) {
+      const float* q = sc.q.get() + r * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t x = 0; x < D; x += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + x);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + x), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + D + x), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 2 * D + x), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 3 * D + x), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 4 * D + x), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 5 * D + x), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 6 * D + x), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 7 * D + x), a7);
+      }
+      const __m256 s = hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
+      float* out = dst + (r - lo) * BN + g0;
+      if (n == kGroup) {
+        _mm256_storeu_ps(out, s);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, s);
+        std::memcpy(out, tmp, sizeof(float) * n);
+      }
+    }
+  }
+}
+#endif
+
 // Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
 // Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
 int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
@@ -220,16 +371,24 @@ int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& 
   const int64_t R = (it.t1 - it.t0) * c.group;
   const int64_t j0 = blk * BN, j1 = std::min(j0 + BN, c.kv_lens[b]);
   const int64_t nk = j1 - j0;
-  const float* kblk;
-  if (!c.k_dec.empty() && c.k_dec[b]) {
-    kblk = c.k_dec[b] + (h * c.kv_lens[b] + j0) * D;
-    vblk = c.v_dec[b] + (h * c.kv_lens[b] + j0) * D;
-  } else {
-    decode_rows(c, c.k, c.sk, b, h, c.kv_starts[b], j0, j1, sc.k.get());
-    kblk = sc.k.get();
-    vblk = nullptr;  // decoded by the caller when needed
-  }
   const int64_t nc = columns(c, it, j0, nk);
+  const float* kpre = nullptr;
+  vblk = nullptr;  // decoded by the caller when needed
+  if (!c.k_dec.empty() && c.k_dec[b]) {
+    kpre = c.k_dec[b] + (h * c.kv_lens[b] + j0) * D;
+    vblk = c.v_dec[b] + (h * c.kv_lens[b] + j0) * D;
+  }
+#ifdef QFA_SIMD
+  if (fused(c, R - lo)) {
+    qk_fused(c, it, kpre, j0, lo, R, nc, sc, dst);
+    return nk;
+  }
+#endif
+  const float* kblk = kpre;
+  if (!kblk) {
+    decode_rows(c.dec, D, c.k, c.sk, b, h, c.kv_starts[b], j0, j1, sc.k.get());
+    kblk = sc.k.get();
+  }
   auto S = wrap(dst, R - lo, nc, BN);
   at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nc, D, D).t());
   return nk;
@@ -248,6 +407,50 @@ inline int64_t first_row(const Call& c, const Item& it, int64_t j0) {
   const int64_t r0 = std::max(it.t0, j0 - offset_of(c, it.b));
   return std::min(r0, it.t1) - it.t0;
 }
+
+#ifdef QFA_SIMD
+// pv = P V for rows [lo, R) of the block at j0 (nk keys): row r sums its visible keys alone, in
+// ascending order, so a non-finite value reaches only the rows that see its key.
+void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int64_t nk, int64_t lo, int64_t R,
+              const float* p, Scratch& sc, float* pv) {
+  constexpr int64_t D = kFusedDim;
+  const int64_t BN = c.block_n;
+  std::memset(pv, 0, sizeof(float) * (R - lo) * D);
+  float* buf = sc.v.get();
+  int64_t vis_max = 0;
+  for (int64_t r = lo; r < R; ++r) vis_max = std::max(vis_max, visible(c, it, r, j0, nk));
+  for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
+    const int64_t n = std::min(kGroup, vis_max - g0);
+    const float* vr = key_rows(c, it, c.v, c.sv, vpre, j0, g0, n, buf);
+    for (int64_t r = lo; r < R; ++r) {
+      const int64_t nv = std::min(n, visible(c, it, r, j0, nk) - g0);
+      if (nv <= 0) continue;
+      const float* prow = p + (r - lo) * BN + g0;
+      float* o = pv + (r - lo) * D;
+      for (int64_t x = 0; x < D; x += 64) {
+        __m256 a0 = _mm256_loadu_ps(o + x), a1 = _mm256_loadu_ps(o + x + 8), a2 = _mm256_loadu_ps(o + x + 16),
+               a3 = _mm256_loadu_ps(o + x + 24), a4 = _mm256_loadu_ps(o + x + 32), a5 = _mm256_loadu_ps(o + x + 40),
+               a6 = _mm256_loadu_ps(o + x + 48), a7 = _mm256_loadu_ps(o + x + 56);
+        for (int64_t j = 0; j < nv; ++j) {
+          const __m256 pj = _mm256_broadcast_ss(prow + j);
+          const float* v = vr + j * D + x;
+          a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
+          a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
+          a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
+          a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
+          a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 32), a4);
+          a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 40), a5);
+          a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 48), a6);
+          a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 56), a7);
+        }
+        _mm256_storeu_ps(o + x, a0); _mm256_storeu_ps(o + x + 8, a1); _mm256_storeu_ps(o + x + 16, a2);
+        _mm256_storeu_ps(o + x + 24, a3); _mm256_storeu_ps(o + x + 32, a4); _mm256_storeu_ps(o + x + 40, a5);
+        _mm256_storeu_ps(o + x + 48, a6); _mm256_storeu_ps(o + x + 56, a7);
+      }
+    }
+  }
+}
+#endif
 
 // Pass 1 of a split item: the running max its blocks contribute, per row, into mx (R floats).
 // With a store (R x block_n floats per block of the chunk), the scores are kept for pass 2.
@@ -332,24 +535,34 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
     }
     exp_inplace(alpha + lo, R - lo);
     for (int64_t r = lo; r < R; ++r) l[r] = alpha[r] * l[r] + rsum[r];
-    if (!vblk) {
-      decode_rows(c, c.v, c.sv, it.b, it.h, c.kv_starts[it.b], j0, j0 + nk, sc.v.get());
-      vblk = sc.v.get();
+    bool done = false;
+#ifdef QFA_SIMD
+    if (fused(c, R - lo)) {
+      pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
+      done = true;
     }
-    // A value that is not finite (Inf/NaN codes) must reach only the rows that see its key:
-    // in a GEMM, P = 0 times NaN is NaN. Such a block (rare) sums each row's visible keys alone.
-    bool finite = true;
-    for (int64_t x = 0; x < nc * D && finite; ++x) finite = std::isfinite(vblk[x]);
-    if (finite) {
-      auto PV = wrap(sc.pv.get(), R - lo, D, D);
-      at::mm_out(PV, wrap(sblk, R - lo, nc, BN), wrap(const_cast<float*>(vblk), nc, D, D));
-    } else {
-      for (int64_t r = lo; r < R; ++r) {
-        float* acc = sc.pv.get() + (r - lo) * D;
-        std::fill(acc, acc + D, 0.f);
-        const float* prow = sblk + (r - lo) * BN;
-        for (int64_t j = 0; j < visible(c, it, r, j0, nk); ++j)
-          for (int64_t x = 0; x < D; ++x) acc[x] += prow[j] * vblk[j * D + x];
+#endif
+    if (!done) {
+      // A value that is not finite (Inf/NaN codes) must reach only the rows that see its key:
+      // in a GEMM, P = 0 times NaN is NaN. Such a block (rare) sums each row's visible keys alone.
+      bool finite;
+      if (!vblk) {
+        finite = decode_rows(c.dec, D, c.v, c.sv, it.b, it.h, c.kv_starts[it.b], j0, j0 + nk, sc.v.get());
+        vblk = sc.v.get();
+      } else {
+        finite = c.v_finite[it.b][it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk] != 0;
+      }
+      if (finite) {
+        auto PV = wrap(sc.pv.get(), R - lo, D, D);
+        at::mm_out(PV, wrap(sblk, R - lo, nc, BN), wrap(const_cast<float*>(vblk), nc, D, D));
+      } else {
+        for (int64_t r = lo; r < R; ++r) {
+          float* acc = sc.pv.get() + (r - lo) * D;
+          std::fill(acc, acc + D, 0.f);
+          const float* prow = sblk + (r - lo) * BN;
+          for (int64_t j = 0; j < visible(c, it, r, j0, nk); ++j)
+            for (int64_t x = 0; x < D; ++x) acc[x] += prow[j] * vblk[j * D + x];
+        }
       }
     }
     const Vec vds(c.v_descale);
@@ -400,13 +613,35 @@ void finish(const Call& c, const Item& it, const float* m, const float* l, const
 
 // torch enables nested OpenMP (max-active-levels), so a GEMM called inside the region would
 // open a team of its own on every call: on 2 cores, 4 spinning threads, and under load each
-// call waits for its slowest one. A worker's GEMMs run on the worker's thread alone.
+// call waits for its slowest one. A worker's GEMMs run on the worker's thread alone: OpenMP's
+// setting, and MKL's own (torch sets MKL's thread count, which MKL reads instead of OpenMP's,
+// so the OpenMP setting alone leaves every GEMM in a worker a nested team of torch's size).
+// MKL's per-thread setting (its C entry point; the lower-case symbol is the Fortran one, by
+// pointer) is looked up at run time: torch builds without MKL have none.
 // Restored on exit: the calling thread runs a share of the region (or all of it, inline), and
 // its OpenMP setting is torch.get_num_threads() for the rest of the process.
+using MklSetLocal = int (*)(int);
+MklSetLocal mkl_set_local() {
+  static const MklSetLocal f = [] {
+    void* self = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    void* sym = self ? dlsym(self, "MKL_Set_Num_Threads_Local") : nullptr;
+    if (!sym) sym = dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local");
+    return reinterpret_cast<MklSetLocal>(sym);
+  }();
+  return f;
+}
+
 struct SingleThreadedBlas {
   int saved = omp_get_max_threads();
-  SingleThreadedBlas() { omp_set_num_threads(1); }
-  ~SingleThreadedBlas() { omp_set_num_threads(saved); }
+  int saved_mkl = 0;
+  SingleThreadedBlas() {
+    omp_set_num_threads(1);
+    if (MklSetLocal f = mkl_set_local()) saved_mkl = f(1);
+  }
+  ~SingleThreadedBlas() {
+    omp_set_num_threads(saved);
+    if (MklSetLocal f = mkl_set_local()) f(saved_mkl);
+  }
 };
 
 // Hands items out costliest first to whichever thread asks next; one parallel region.
@@ -459,7 +694,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   c.q_starts = q_starts; c.kv_starts = kv_starts; c.q_lens = q_lens; c.kv_lens = kv_lens;
   c.causal = causal;
   c.dscale = static_cast<float>(dscale); c.ln_p = static_cast<float>(ln_p); c.v_descale = static_cast<float>(v_descale);
-  std::memcpy(c.decode, decode_table.data_ptr<float>(), sizeof(c.decode));
+  c.dec.init(decode_table.data_ptr<float>());
   c.rc = RoundConsts{{int32_t(round_consts[0]), int32_t(round_consts[1]), int32_t(round_consts[2])},
                      int32_t(round_consts[3]), int32_t(round_consts[4]), int32_t(round_consts[5]), int32_t(round_consts[6])};
   const int64_t B = static_cast<int64_t>(q_lens.size());
@@ -481,7 +716,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
 
   // fp32 K and V decoded once for batches that several tiles read (prefill), within a budget.
   std::vector<at::Tensor> keep;
-  c.k_dec.assign(B, nullptr); c.v_dec.assign(B, nullptr);
+  c.k_dec.assign(B, nullptr); c.v_dec.assign(B, nullptr); c.v_finite.assign(B, {});
   {
     int64_t bytes = 0;
     std::vector<int64_t> blocks;  // (b, h, block) flattened
@@ -493,6 +728,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
       keep.push_back(at::empty({2, heads_kv, kv_lens[b], dim}, at::kFloat));
       c.k_dec[b] = keep.back().data_ptr<float>();
       c.v_dec[b] = c.k_dec[b] + heads_kv * kv_lens[b] * dim;
+      c.v_finite[b].assign(heads_kv * ((kv_lens[b] + block_n - 1) / block_n), 0);
       for (int64_t h = 0; h < heads_kv; ++h)
         for (int64_t j0 = 0; j0 < kv_lens[b]; j0 += block_n) blocks.insert(blocks.end(), {b, h, j0});
     }
@@ -504,8 +740,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
           const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
           const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);
           const int64_t off = (h * kv_lens[b] + j0) * dim;
-          decode_rows(c, c.k, c.sk, b, h, kv_starts[b], j0, j1, c.k_dec[b] + off);
-          decode_rows(c, c.v, c.sv, b, h, kv_starts[b], j0, j1, c.v_dec[b] + off);
+          decode_rows(c.dec, dim, c.k, c.sk, b, h, kv_starts[b], j0, j1, c.k_dec[b] + off);
+          c.v_finite[b][h * ((kv_lens[b] + block_n - 1) / block_n) + j0 / block_n] =
+              decode_rows(c.dec, dim, c.v, c.sv, b, h, kv_starts[b], j0, j1, c.v_dec[b] + off);
         }
       });
     }
@@ -613,6 +850,29 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   }
 }
 
+// The kernel's decoder on its own, for the tests: fp32 values of a 1-D uint8 tensor of codes, read
+// from byte ``offset`` on (the SIMD body and the scalar tail both run), and whether all are finite.
+std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd) {
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.dim() == 1 && codes.is_contiguous(), "codes: contiguous 1-D uint8");
+  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
+  Decoder dc;
+  dc.init(decode_table.data_ptr<float>());
+  dc.simd = dc.simd && simd;
+  at::Tensor out = at::empty({codes.numel()}, at::kFloat);
+  const bool finite = dc.decode(codes.data_ptr<uint8_t>(), 1, out.data_ptr<float>(), codes.numel());
+  return {out, finite};
+}
+
+// Whether the SIMD decoder runs for this table in this build.
+bool simd_decoder(const at::Tensor& decode_table) {
+  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
+  Decoder dc;
+  dc.init(decode_table.data_ptr<float>());
+  return dc.simd;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_codes", &decode_codes, "HiF8 codes to fp32 with the kernel's decoder (tests)");
+  m.def("simd_decoder", &simd_decoder, "whether the SIMD decoder runs for this table (tests)");
   m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/cpu_kernel.py)");
 }

@@ -34,6 +34,7 @@ import torch
 
 import attention_reference as ref
 from qfa.attention import cpu_kernel, torch_path
+from qfa.cast import luts
 from qfa.tiling.attention import plan_attention
 from test_attention_reference import check_against_reference
 
@@ -86,6 +87,9 @@ CASES = {
     "decode-1x4097": dict(nq=12, nkv=2, q_lens=(1,), kv_lens=(4097,)),
     "decode-B2-16x4096-causal-bsnd": dict(nq=8, nkv=2, q_lens=(16, 16), kv_lens=(4096, 4096), layout="BSND",
                                           causal=True, p_scale=256),
+    # Few rows (new tokens x group <= the fused kernels' 16): fused decode + dot products.
+    "fused-3x3000-causal-p15": dict(nq=8, nkv=2, q_lens=(3,), kv_lens=(3000,), causal=True, p_scale=15),
+    "fused-mha-B3-1xskv-bsnd": dict(nq=4, nkv=4, q_lens=(1, 1, 1), kv_lens=(700, 1, 300), layout="BSND"),
 }
 
 
@@ -113,7 +117,8 @@ def _fp32_out(plan, args, **kw):
 
 @needs_kernel
 @pytest.mark.parametrize("shape", [(12, 2, (1,), (4096,), False), (4, 1, (16, 3), (2049, 777), True),
-                                   (8, 8, (1,), (513,), False)], ids=["1x4096", "B2-16x2049-causal", "mha-1x513"])
+                                   (8, 8, (1,), (513,), False), (8, 2, (3,), (2049,), True)],
+                         ids=["1x4096", "B2-16x2049-causal", "mha-1x513", "fused-3x2049-causal"])
 def test_key_split_is_the_sequential_walk_up_to_reassociation(shape):
     nq, nkv, q_lens, kv_lens, causal = shape
     plan, args = make(nq, nkv, q_lens, kv_lens, causal=causal, p_scale=15, seed=3)
@@ -140,7 +145,8 @@ import test_cpu_kernel as t
 results = []
 for threads in (1, 2):
     torch.set_num_threads(threads)
-    for name in ("decode-1x4097", "gqa4-255x513-causal-bsnd-p15", "tnd-gqa4-causal-empty"):
+    for name in ("decode-1x4097", "gqa4-255x513-causal-bsnd-p15", "tnd-gqa4-causal-empty", "fused-3x3000-causal-p15",
+                 "decode-B2-16x4096-causal-bsnd"):
         plan, args = t.make(**t.CASES[name])
         out, lse = t.cpu_kernel.forward(plan, *args)
         results.append((out.view(torch.int16).clone(), lse.view(torch.int32).clone()))
@@ -290,3 +296,40 @@ def test_lse_is_fp32_under_a_float64_default_dtype():
     finally:
         torch.set_default_dtype(old)
     assert lse.dtype == torch.float32 and out.dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_decoder_is_the_table_bit_for_bit():
+    """The kernel's HiF8 decoder (vpshufb segments on AVX2 / AVX-512 builds, scalar lookups
+    otherwise) against the 256-entry table: every code, NaN's bits included, in the 32-code SIMD
+    body and the scalar tail, from several alignments; and its non-finite flag."""
+    table = luts.decode_lut(torch.float32).view(torch.float32)
+    bits = table.view(torch.int32)
+    mod = cpu_kernel._module
+    assert mod.simd_decoder(table) == (cpu_kernel.cpu_capability() in ("AVX2", "AVX512"))
+    gen = torch.Generator().manual_seed(5)
+    every = torch.cat([torch.randperm(256, generator=gen) for _ in range(4)]).to(torch.uint8)
+    finite_codes = every[torch.isfinite(table[every.long()])]
+    for codes in (every, finite_codes):
+        for start, n in ((0, len(codes)), (1, 255), (7, 33), (3, 31), (0, 1)):
+            c = codes[start:start + n].contiguous()
+            for simd in (True, False):
+                got, finite = mod.decode_codes(c, table, simd)
+                assert torch.equal(got.view(torch.int32), bits[c.long()]), (start, n, simd)
+                assert finite == bool(torch.isfinite(table[c.long()]).all())
+
+
+@needs_kernel
+def test_nan_value_in_a_fused_decode_block_reaches_only_the_rows_that_see_it(monkeypatch):
+    """Few-row blocks sum each row's visible keys alone: a NaN value at the last key poisons the
+    causal rows that see it (the last position's), as in the torch path."""
+    monkeypatch.setenv("QFA_COMPILE", "0")
+    plan, args = make(8, 2, (3,), (600,), causal=True)
+    v = args[2].clone()
+    v[0, 1, 599, 9] = 0x80  # kv head 1, key 599: only query position 2 sees it
+    args = (args[0], args[1], v, *args[3:])
+    out, lse = cpu_kernel.forward(plan, *args)
+    want_out, want_lse = torch_path.forward(plan, *args)
+    assert torch.isnan(out[0, 4:, 2, 9]).all()  # q heads 4..7 read kv head 1
+    assert not torch.isnan(out[0, :, :2]).any() and not torch.isnan(out[0, :4]).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(want_out))
