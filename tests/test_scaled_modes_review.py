@@ -1,9 +1,10 @@
 """Review of quant_flash_attn's quant_mode 1 (MXFP8) and 6 (FP8 per-token-head).
 
-Tests marked ``xfail(strict=True)`` are confirmed bugs (one per finding of the review; the
-reason names it): the fix makes them pass, and then the mark goes. The others are extra
+The "Findings" tests pin the review's findings (F1-F7: value checks only of the scales a call
+reads, score overflow before softmax_scale, head dims agreeing, HiF8 layouts, PA_NZ messages,
+zero strides, mode-neutral messages), each failing before its fix. The others are extra
 coverage on shapes and cases ``test_attention_scaled_modes`` does not have, checked against the
-spec-level oracle ``mode16_reference`` with ``check_against_reference``'s band, and pass today.
+spec-level oracle ``mode16_reference`` with ``check_against_reference``'s band.
 """
 
 from __future__ import annotations
@@ -163,11 +164,9 @@ def test_paged_mxfp8_metadata_runs_refuse_a_mismatch(change, match):
         quant_flash_attn(*args, metadata=meta, **{**kwargs, **change})
 
 
-# --- Findings (xfail until fixed) -------------------------------------------------------------------
+# --- Findings (fixed) ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="F1: check_scaled_values reads every scale of the paged cache, incl. "
-                                       "blocks and slots no sequence reads: a zero-initialised FP8 cache is refused")
 def test_fp8_scales_no_sequence_reads_are_not_checked():
     case = fp8_case((2,), (130,), seed=8, spare=2)
     args, kwargs = fp8_call(case)
@@ -181,8 +180,6 @@ def test_fp8_scales_no_sequence_reads_are_not_checked():
     assert _same(got, clean)
 
 
-@pytest.mark.xfail(strict=True, reason="F1: the same for MXFP8: an E8M0 code > 246 in a block no sequence reads "
-                                       "makes the call fail")
 def test_mxfp8_scales_of_unused_blocks_are_not_checked():
     case = mx_case((2,), (100,), d=64, seed=1)
     args, kwargs = _paged_mx(case, "PA_BNBD", 64, 0)
@@ -194,7 +191,6 @@ def test_mxfp8_scales_of_unused_blocks_are_not_checked():
     assert _same(quant_flash_attn(*args[:4], kd, vd, 1, **kwargs), clean)
 
 
-@pytest.mark.xfail(strict=True, reason="F1: mode 6 q_descale rows past seqused_q (padding rows) are value-checked")
 def test_fp8_q_descale_of_padding_rows_is_not_checked():
     case = fp8_case((4,), (200,), seed=3, spare=0)
     args, kwargs = fp8_call(case)
@@ -221,16 +217,12 @@ def _mx_score_overflow_call():
                             return_softmax_lse=True, backend="torch")
 
 
-@pytest.mark.xfail(strict=True, reason="F2: the score-overflow check multiplies by softmax_scale, but S is formed "
-                                       "in fp32 before it: a small softmax_scale passes and the output is NaN")
 def test_mxfp8_scores_that_overflow_before_softmax_scale_are_refused():
     with pytest.raises(ValueError, match=r"^q_descale and k_descale are too large for fp32 scores"):
         out, _ = _mx_score_overflow_call()
         assert torch.isnan(out.float()).all()  # what happens today: silent NaN (exact: the mean of v)
 
 
-@pytest.mark.xfail(strict=True, reason="F2: the same in mode 6: dot * (q_descale * k_descale) overflows fp32 "
-                                       "before softmax_scale")
 def test_fp8_scores_that_overflow_before_softmax_scale_are_refused():
     case = fp8_case((1,), (4,), nq=1, nkv=1, seed=0, spare=0)
     big = dict(case, q=torch.full((1, 1, 128), 448.0).to(E4M3), k=torch.full(case["k"].shape, 448.0).to(E4M3),
@@ -240,8 +232,6 @@ def test_fp8_scores_that_overflow_before_softmax_scale_are_refused():
         quant_flash_attn(*args, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="F3: q's head dim is never checked against k/v's in mode 1 (D in {64, 72, "
-                                       "128, 256}): a torch RuntimeError, or a v_descale message about the wrong D")
 def test_mxfp8_q_and_kv_head_dims_must_match():
     q_case, kv_case = mx_case((2,), (64,), d=128, seed=1), mx_case((2,), (64,), d=72, seed=2)
     (q, _, _, qd, _, _, _), kwargs = mx_call(q_case)
@@ -253,8 +243,6 @@ def test_mxfp8_q_and_kv_head_dims_must_match():
         quant_flash_attn(q, k, v, qd, kd, vd, 1, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="F3: a metadata run never checks the tensors' D against the metadata's "
-                                       "head_dim (the error is a v_descale shape naming the metadata's D)")
 def test_mxfp8_metadata_head_dim_must_match_the_tensors():
     case = mx_case((2,), (64,), d=72, seed=2)
     args, kwargs = mx_call(case)
@@ -264,8 +252,6 @@ def test_mxfp8_metadata_head_dim_must_match_the_tensors():
         quant_flash_attn(*args, metadata=meta, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="F4: check_shapes validates the layout against _AXES, which now holds mode "
-                                       "6's 'NTD': HiF8 callers (the drop-in) get past it and fail later")
 def test_hif8_shape_rules_still_refuse_ntd():
     q, k = torch.zeros(4, 3, 128), torch.zeros(2, 3, 128)
     with pytest.raises(ValueError, match=r"^layout must be one of \('BNSD', 'BSND', 'TND'\), got 'NTD'"):
@@ -287,8 +273,6 @@ def _nz_call(**change):
                             **dict(kwargs, layout_kv="PA_NZ"))
 
 
-@pytest.mark.xfail(strict=True, reason="F5: PA_NZ descales are checked after the PA_BNBD conversion: the message "
-                                       "gives PA_BNBD shapes (or says 'descale'), not the PA_NZ shape expected")
 @pytest.mark.parametrize("name,cut", [("k_descale", lambda t: t[:, :, :4]), ("v_descale", lambda t: t[:, :, :, :1]),
                                       ("k_descale", lambda t: t[..., 0])], ids=["k-bs16", "v-bs64", "k-ndim"])
 def test_pa_nz_descale_errors_name_the_pa_nz_shape(name, cut):
@@ -297,8 +281,6 @@ def test_pa_nz_descale_errors_name_the_pa_nz_shape(name, cut):
         _nz_call(**{name: cut})
 
 
-@pytest.mark.xfail(strict=True, reason="F6: paged k/v with a zero stride are accepted (the doc: non-contiguous "
-                                       "along the block axis, never a zero stride)")
 def test_paged_kv_with_a_zero_stride_is_refused():
     case = mx_case((2,), (300,), d=64, seed=9)
     args, kwargs = _paged_mx(case, "PA_BNBD", 64, 2)
@@ -308,7 +290,6 @@ def test_paged_kv_with_a_zero_stride_is_refused():
         quant_flash_attn(args[0], aliased, *args[2:], **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="F7: win_left / win_right errors say 'in the HiF8 mode' in modes 1 and 6")
 def test_window_errors_name_the_mode():
     case = mx_case((2,), (64,), d=64, seed=8)
     args, kwargs = mx_call(case)

@@ -368,8 +368,10 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
     else:
         if block_table is not None:
             check_unsupported(-1, -1, block_table=block_table)
-        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[meta.quant_mode], meta.layout_kv)
+        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[meta.quant_mode], meta.layout_kv, tuple(_AXES))
         width = 0
+    if qs["d"] != meta.head_dim:
+        raise ValueError(f"head dim D of q must be the metadata's head_dim ({meta.head_dim}), got {qs['d']}")
     if (qs["n"], ks["n"]) != (meta.heads_q, meta.heads_kv):
         raise ValueError(f"q/k heads must match the metadata's ({meta.heads_q}, {meta.heads_kv}), "
                          f"got ({qs['n']}, {ks['n']})")
@@ -462,16 +464,18 @@ def check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_s
     return mode
 
 
-def check_call_scales(plan: AttentionPlan, q_descale, k_descale, v_descale, p_scale, *, read_values: bool) -> None:
+def check_call_scales(plan: AttentionPlan, q_descale, k_descale, v_descale, p_scale, *, read_values: bool,
+                      block_table=None) -> None:
     """The descales against the plan: their shapes (modes 1 and 6: they follow the layouts and
-    lengths) always, and with ``read_values`` their values (a host read)."""
+    lengths) always, and with ``read_values`` their values (a host read; for paged modes 1 and 6
+    of the blocks the table names, so its values must have been checked first)."""
     if plan.meta.quant_mode == QuantMode.HIF8_PER_TENSOR:
         if read_values:
             check_scale_values(plan, q_descale, k_descale, v_descale, p_scale)
         return
     check_descale_shapes(plan, q_descale, k_descale, v_descale)
     if read_values:
-        check_scaled_values(plan, q_descale, k_descale, v_descale, p_scale)
+        check_scaled_values(plan, q_descale, k_descale, v_descale, p_scale, block_table)
 
 
 def plan_attention(
@@ -503,7 +507,7 @@ def plan_attention(
     if paged:
         qs, ks = _shape_of(q, "q", layout), _paged_shape(k, "k", layout_kv)
     else:
-        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv)
+        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, tuple(_AXES))
     packed = layout in PACKED_LAYOUTS
     meta = plan_metadata(
         qs["n"], ks["n"], qs["d"], mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
@@ -514,7 +518,9 @@ def plan_attention(
     )
     plan = bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                 attn_mask=attn_mask, block_table=block_table)
-    check_call_scales(plan, q_descale, k_descale, v_descale, p_scale, read_values=True)
-    if paged and host_reads_are_free(plan.device):  # a table changes every decode step: never a sync
+    if paged and (host_reads_are_free(plan.device) or mode != QuantMode.HIF8_PER_TENSOR):
+        # A table changes every decode step: on a device it is read only where the scale checks of
+        # modes 1 and 6, which read the blocks it names, synchronise anyway.
         check_block_table_values(plan, block_table)
+    check_call_scales(plan, q_descale, k_descale, v_descale, p_scale, read_values=True, block_table=block_table)
     return plan

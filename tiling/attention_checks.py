@@ -183,7 +183,7 @@ def check_unsupported(win_left, win_right, **tensors) -> None:
             raise ValueError(f"{name}: {_UNSUPPORTED[name]}")
     for name, value in (("win_left", win_left), ("win_right", win_right)):
         if value != -1:
-            raise ValueError(f"{name} must be -1: sliding windows are not supported in the HiF8 mode, got {value!r}")
+            raise ValueError(f"{name} must be -1: sliding windows are not supported, got {value!r}")
 
 
 def _shape_of(t: torch.Tensor, name: str, layout: str) -> dict[str, int]:
@@ -228,12 +228,13 @@ def check_heads(nq: int, nkv: int) -> None:
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
-                 head_dims: tuple[int, ...] = (HEAD_DIM,), layout_kv: str | None = None) -> tuple[dict, dict]:
+                 head_dims: tuple[int, ...] = (HEAD_DIM,), layout_kv: str | None = None,
+                 layouts: tuple[str, ...] = LAYOUTS) -> tuple[dict, dict]:
     """The op's static shape rules: rank per layout, D = 128, k and v alike, head counts, GQA,
     one batch size. Shared with the drop-in, which checks float q/k/v before quantising them.
     Returns q's and k's sizes by axis name (``b``, ``n``, ``s``, ``d``)."""
-    if layout not in _AXES:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout not in layouts:
+        raise ValueError(f"layout must be one of {layouts}, got {layout!r}")
     layout_kv = layout if layout_kv is None else layout_kv
     qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout_kv), _shape_of(v, "v", layout_kv)
     if tuple(k.shape) != tuple(v.shape):
@@ -248,10 +249,15 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
 
 
 def _check_head_dims(head_dims: tuple[int, ...], *shapes) -> None:
+    """Each operand's D in the mode's ``head_dims``, and all equal to the first's (q's)."""
     for shape, name in shapes:
         if shape["d"] not in head_dims:
             expected = head_dims[0] if len(head_dims) == 1 else f"one of {head_dims}"
             raise ValueError(f"head dim D of {name} must be {expected}, got {shape['d']}")
+    (first, first_name), *rest = shapes
+    for shape, name in rest:
+        if shape["d"] != first["d"]:
+            raise ValueError(f"head dim D of {name} must equal {first_name}'s ({first['d']}), got {shape['d']}")
 
 
 def _check_attn_mask(attn_mask, mask_mode: MaskMode) -> None:
@@ -350,6 +356,10 @@ def _check_paged(meta: AttentionMetadata, q, k, v, block_table, qs: dict, batch:
     """Shapes of paged k/v and of the block table; returns k's sizes and the table width."""
     ks = _paged_shape(k, "k", meta.layout_kv)
     _paged_shape(v, "v", meta.layout_kv)
+    for t, name in ((k, "k"), (v, "v")):  # strided along the blocks is fine; aliased elements are not
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} must not have a zero stride in a paged layout (its blocks would alias one "
+                             f"another), got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     _check_head_dims(HEAD_DIMS[meta.quant_mode], (qs, "q"), (ks, "k"))

@@ -80,11 +80,11 @@ def check_descale_shapes(plan: AttentionPlan, q_descale, k_descale, v_descale) -
                              f"({plan.meta.quant_mode.name}, layout {layouts[name]}), got {tuple(t.shape)}")
 
 
-def _e8m0_max(t: torch.Tensor, name: str) -> int:
-    """The largest finite-scale code of ``t`` (NaN scales mark NaN blocks and are allowed)."""
-    codes = t.view(torch.uint8)
+def _e8m0_max(codes: torch.Tensor, name: str) -> int:
+    """The largest finite-scale exponent among E8M0 ``codes`` (uint8; NaN scales mark NaN blocks
+    and are allowed)."""
     finite = codes[codes != E8M0_NAN_CODE]
-    top = int(finite.max()) if finite.numel() else 0
+    top = int(finite.max()) if finite.numel() else E8M0_BIAS
     if top > MAX_FINITE_E8M0:
         raise ValueError(f"{name} must hold E8M0 scales <= 2^{MAX_FINITE_E8M0 - E8M0_BIAS} (code {MAX_FINITE_E8M0}; "
                          f"beyond it 448 * scale overflows fp32), got 2^{top - E8M0_BIAS} (code {top})")
@@ -100,15 +100,67 @@ def _fp32_scale_max(t: torch.Tensor, name: str) -> float:
     return float(known.max()) if known.numel() else 1.0
 
 
-def check_scaled_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_scale) -> None:
+def _flat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in parts]) if parts else like.new_empty(0)
+
+
+def _used_rows(t: torch.Tensor, axis: int, starts, lens) -> torch.Tensor:
+    """The entries of ``t`` along ``axis`` that the sequences (start, length) use."""
+    return _flat([t.narrow(axis, s, n) for s, n in zip(starts, lens) if n], t)
+
+
+def _used_paged(t: torch.Tensor, slot_axis: int, keys_per_slot: int, kv_lens, rows: list[list[int]]) -> torch.Tensor:
+    """The entries of paged ``t`` (block axis 0; ``slot_axis`` holds a block's slots of
+    ``keys_per_slot`` keys each) that the sequences' keys use: their blocks' slots up to each
+    sequence's length, no spare block and no slot past ``seqused_kv``."""
+    t = t.movedim(slot_axis, 1)
+    per_block, parts = t.shape[1], []
+    for b, n in enumerate(kv_lens):
+        full, rest = divmod(-(-n // keys_per_slot), per_block)
+        if full:
+            parts.append(t.index_select(0, torch.tensor(rows[b][:full], dtype=torch.long, device=t.device)))
+        if rest:
+            parts.append(t[rows[b][full], :rest])
+    return _flat(parts, t)
+
+
+def _used_scales(plan: AttentionPlan, q_descale, k_descale, v_descale, block_table) -> tuple[torch.Tensor, ...]:
+    """Flat (q, k, v) scales the call reads (E8M0 as uint8 codes, FP8 as fp32): what the value
+    checks look at, so that spare blocks, slots past seqused and padding rows (a cache made with
+    torch.zeros or torch.empty) never fail a call."""
+    from qfa.cast import mxfp8  # the unpacking of the paired layouts is the codec's
+
+    meta, d = plan.meta, plan.head_dim
+    rows = block_table.tolist() if meta.paged else []
+    codes = lambda t: t.view(torch.uint8)  # noqa: E731
+    if meta.quant_mode == QuantMode.FP8_PER_TOKEN_HEAD:  # q (Nq, Tq); k (Bn, Nkv, 128); v (Nkv,)
+        return (_used_rows(q_descale, 1, plan.q_starts, plan.q_lens),
+                _used_paged(k_descale, 2, 1, plan.kv_lens, rows), v_descale)
+    q = _used_rows(codes(mxfp8.unpack_q_descale(q_descale, d, meta.layout_q_descale)), 0, plan.q_starts, plan.q_lens)
+    k_scales = codes(mxfp8.unpack_k_descale(k_descale, d, meta.layout_kv))
+    if meta.layout_kv == "TND":
+        k = _used_rows(k_scales, 0, plan.kv_starts, plan.kv_lens)
+        per_seq = mxfp8.unpack_v_descale(v_descale, "TND", kv_lens=kv_segment_lengths(plan))
+        v = _flat([codes(s)[: -(-n // mxfp8.BLOCK)] for s, n in zip(per_seq, plan.kv_lens)], codes(v_descale))
+        return q, k, v
+    slot_axis = 1 if meta.layout_kv == "PA_BBND" else 2
+    k = _used_paged(k_scales, slot_axis, 1, plan.kv_lens, rows)
+    v = _used_paged(codes(mxfp8.unpack_v_descale(v_descale, meta.layout_kv)), slot_axis, mxfp8.BLOCK, plan.kv_lens,
+                    rows)
+    return q, k, v
+
+
+def check_scaled_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_scale, block_table=None) -> None:
     """The values of a mode 1 / 6 call's scales (host reads; done on CPU, and on devices when a
-    call plans without ready metadata):
+    call plans without ready metadata). Only the scales the call reads are looked at (the used
+    rows of q, the keys below each ``seqused_kv`` in the table's blocks):
 
     * p_scale in [1, 448] (FIA's range);
     * MXFP8: every E8M0 scale <= 2^119, so no element overflows fp32 when scaled;
     * FP8: every fp32 scale finite and > 0, or NaN (the quantiser's mark of a group with NaN/Inf);
-    * |S| * softmax_scale <= 448^2 * D * max q scale * max k scale * softmax_scale <= FLT_MAX / 2,
-      so no scaled score overflows before the running max is subtracted;
+    * 448^2 * D * max q scale * max k scale * max(1, softmax_scale) <= FLT_MAX / 2: the scores are
+      formed in fp32 before softmax_scale multiplies them, so neither S nor S * softmax_scale
+      can overflow before the running max is subtracted;
     * 448 * p_scale * max v scale * max Skv <= FLT_MAX, so P8 @ V cannot overflow.
     """
     if plan.device.type == "meta":
@@ -117,16 +169,16 @@ def check_scaled_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_
     if not (math.isfinite(p) and E4M3_P_SCALE_RANGE[0] <= p <= E4M3_P_SCALE_RANGE[1]):
         raise ValueError(f"p_scale must be in [1, 448] in quant_mode {int(plan.meta.quant_mode)} (P lies in "
                          f"(0, p_scale] on the E4M3 grid), got {p:g}")
+    used = _used_scales(plan, q_descale, k_descale, v_descale, block_table)
+    names = ("q_descale", "k_descale", "v_descale")
     if plan.meta.quant_mode == QuantMode.MXFP8:
-        q_max, k_max, v_max = (2.0 ** _e8m0_max(t, n) for t, n in
-                               ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+        q_max, k_max, v_max = (2.0 ** _e8m0_max(t, n) for t, n in zip(used, names))
     else:
-        q_max, k_max, v_max = (_fp32_scale_max(t, n) for t, n in
-                               ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
-    score = E4M3_MAX**2 * plan.head_dim * q_max * k_max * plan.softmax_scale
+        q_max, k_max, v_max = (_fp32_scale_max(t, n) for t, n in zip(used, names))
+    score = E4M3_MAX**2 * plan.head_dim * q_max * k_max * max(1.0, plan.softmax_scale)
     if score > FP32_MAX / 2:
         raise ValueError(f"q_descale and k_descale are too large for fp32 scores: 448^2 * D * max q scale * max k "
-                         f"scale * softmax_scale = {score:.3g} > FLT_MAX / 2")
+                         f"scale * max(1, softmax_scale) = {score:.3g} > FLT_MAX / 2")
     out = E4M3_MAX * p * v_max * max(max(plan.kv_lens, default=1), 1)
     if out > FP32_MAX:
         raise ValueError(f"v_descale is too large for this call: 448 * p_scale * max v scale * max Skv = {out:.3g} "

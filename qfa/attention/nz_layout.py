@@ -46,6 +46,17 @@ def to_bnbd(quant_mode, k, v, k_descale, v_descale) -> tuple[torch.Tensor, ...]:
         raise ValueError(f"layout_kv PA_NZ is MXFP8's (quant_mode 1), got quant_mode {int(quant_mode)}")
     _check(k, v)
     d = k.shape[2] * NZ_SLAB
+    bn, n, _, bs, _ = k.shape
+    pairs = -(-d // mxfp8.VALUES_PER_PAIR)
+    expected = {"k_descale": (bn, n, bs // mxfp8.NZ_GROUP, pairs, mxfp8.NZ_GROUP, mxfp8.PAIR),
+                "v_descale": (bn, n, d // mxfp8.NZ_GROUP, bs // mxfp8.VALUES_PER_PAIR, mxfp8.NZ_GROUP, mxfp8.PAIR)}
+    if bs % mxfp8.VALUES_PER_PAIR:
+        raise ValueError(f"block size of paged k/v must be a multiple of {mxfp8.VALUES_PER_PAIR} for layout_kv "
+                         f"PA_NZ, got {bs}")
+    for (name, shape), t in zip(expected.items(), (k_descale, v_descale)):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} in quant_mode 1 (MXFP8, layout PA_NZ), "
+                             f"got {tuple(t.shape)}")
     k_scales = mxfp8.unpack_k_descale(k_descale, d, "PA_NZ")  # (Bn, N, D/32, Bs, 1)
     v_scales = mxfp8.unpack_v_descale(v_descale, "PA_NZ")  # (Bn, N, D/32, Bs/32, 32)
     k_scales = k_scales.view(torch.uint8).squeeze(-1).transpose(2, 3).contiguous().view(mxfp8.E8M0)

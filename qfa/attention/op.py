@@ -234,9 +234,9 @@ def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quan
                                      "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
     plan = tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                        attn_mask=attn_mask, block_table=block_table)
-    tiling.check_call_scales(plan, q_descale, k_descale, v_descale, p_scale,
-                             read_values=tiling.host_reads_are_free(q.device))
-    if tiling.host_reads_are_free(q.device):
-        if plan.paged:
-            tiling.check_block_table_values(plan, block_table)
+    reads_free = tiling.host_reads_are_free(q.device)
+    if reads_free and plan.paged:  # first: the scale checks read the blocks the table names
+        tiling.check_block_table_values(plan, block_table)
+    tiling.check_call_scales(plan, q_descale, k_descale, v_descale, p_scale, read_values=reads_free,
+                             block_table=block_table)
     return plan
