@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -336,7 +337,36 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
       if (kr != buf) { std::memcpy(buf, kr, sizeof(float) * n * D); kr = buf; }
       std::memset(buf + n * D, 0, sizeof(float) * (kGroup - n) * D);
     }
-    for (int64_t r = lo; r < R; ++r) {
+    // Two rows x four keys per pass (6 loads per 8 FMAs). Each dot product is its own lane-wise
+    // chain over the dims and the same add tree, whichever pass computes it.
+    int64_t r = lo;
+    for (; r + 2 <= R; r += 2) {
+      const float* q0 = sc.q.get() + r * D;
+      const float* q1 = q0 + D;
+      for (int64_t h = 0; h < kGroup; h += 4) {
+        const float* k = kr + h * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t x = 0; x < D; x += 8) {
+          const __m256 u = _mm256_loadu_ps(q0 + x), w = _mm256_loadu_ps(q1 + x);
+          __m256 kv = _mm256_loadu_ps(k + x);
+          a0 = _mm256_fmadd_ps(u, kv, a0); b0 = _mm256_fmadd_ps(w, kv, b0);
+          kv = _mm256_loadu_ps(k + D + x);
+          a1 = _mm256_fmadd_ps(u, kv, a1); b1 = _mm256_fmadd_ps(w, kv, b1);
+          kv = _mm256_loadu_ps(k + 2 * D + x);
+          a2 = _mm256_fmadd_ps(u, kv, a2); b2 = _mm256_fmadd_ps(w, kv, b2);
+          kv = _mm256_loadu_ps(k + 3 * D + x);
+          a3 = _mm256_fmadd_ps(u, kv, a3); b3 = _mm256_fmadd_ps(w, kv, b3);
+        }
+        alignas(32) float s[8];
+        _mm256_store_ps(s, hsum8(a0, a1, a2, a3, b0, b1, b2, b3));
+        const int64_t m = std::min<int64_t>(4, n - h);
+        for (int64_t j = 0; j < m; ++j) {
+          dst[(r - lo) * BN + g0 + h + j] = s[j];
+          dst[(r + 1 - lo) * BN + g0 + h + j] = s[4 + j];
+        }
+      }
+    }
+    for (; r < R; ++r) {
       const float* q = sc.q.get() + r * D;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (int64_t x = 0; x < D; x += 8) {
@@ -350,15 +380,9 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
         a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 6 * D + x), a6);
         a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 7 * D + x), a7);
       }
-      const __m256 s = hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
-      float* out = dst + (r - lo) * BN + g0;
-      if (n == kGroup) {
-        _mm256_storeu_ps(out, s);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, s);
-        std::memcpy(out, tmp, sizeof(float) * n);
-      }
+      alignas(32) float s[8];
+      _mm256_store_ps(s, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+      std::memcpy(dst + (r - lo) * BN + g0, s, sizeof(float) * n);
     }
   }
 }
@@ -422,30 +446,57 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
   for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
     const int64_t n = std::min(kGroup, vis_max - g0);
     const float* vr = key_rows(c, it, c.v, c.sv, vpre, j0, g0, n, buf);
-    for (int64_t r = lo; r < R; ++r) {
-      const int64_t nv = std::min(n, visible(c, it, r, j0, nk) - g0);
-      if (nv <= 0) continue;
-      const float* prow = p + (r - lo) * BN + g0;
-      float* o = pv + (r - lo) * D;
-      for (int64_t x = 0; x < D; x += 64) {
-        __m256 a0 = _mm256_loadu_ps(o + x), a1 = _mm256_loadu_ps(o + x + 8), a2 = _mm256_loadu_ps(o + x + 16),
-               a3 = _mm256_loadu_ps(o + x + 24), a4 = _mm256_loadu_ps(o + x + 32), a5 = _mm256_loadu_ps(o + x + 40),
-               a6 = _mm256_loadu_ps(o + x + 48), a7 = _mm256_loadu_ps(o + x + 56);
-        for (int64_t j = 0; j < nv; ++j) {
-          const __m256 pj = _mm256_broadcast_ss(prow + j);
-          const float* v = vr + j * D + x;
-          a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
-          a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
-          a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
-          a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
-          a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 32), a4);
-          a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 40), a5);
-          a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 48), a6);
-          a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 56), a7);
+    // Two rows x 32 dims per pass (6 loads per 8 FMAs); each element is its row's chain over
+    // the keys in ascending order, whichever pass computes it.
+    int64_t r = lo;
+    for (; r < R; r += 2) {
+      const bool pair = r + 1 < R;
+      const int64_t n0 = std::max<int64_t>(0, std::min(n, visible(c, it, r, j0, nk) - g0));
+      const int64_t n1 = pair ? std::max<int64_t>(0, std::min(n, visible(c, it, r + 1, j0, nk) - g0)) : 0;
+      const int64_t both = std::min(n0, n1);
+      const float* p0 = p + (r - lo) * BN + g0;
+      const float* p1 = p0 + BN;
+      float* o0 = pv + (r - lo) * D;
+      float* o1 = o0 + D;
+      for (int64_t x = 0; x < D; x += 32) {
+        __m256 a0 = _mm256_loadu_ps(o0 + x), a1 = _mm256_loadu_ps(o0 + x + 8), a2 = _mm256_loadu_ps(o0 + x + 16),
+               a3 = _mm256_loadu_ps(o0 + x + 24);
+        __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+        if (pair) {
+          b0 = _mm256_loadu_ps(o1 + x); b1 = _mm256_loadu_ps(o1 + x + 8); b2 = _mm256_loadu_ps(o1 + x + 16);
+          b3 = _mm256_loadu_ps(o1 + x + 24);
         }
-        _mm256_storeu_ps(o + x, a0); _mm256_storeu_ps(o + x + 8, a1); _mm256_storeu_ps(o + x + 16, a2);
-        _mm256_storeu_ps(o + x + 24, a3); _mm256_storeu_ps(o + x + 32, a4); _mm256_storeu_ps(o + x + 40, a5);
-        _mm256_storeu_ps(o + x + 48, a6); _mm256_storeu_ps(o + x + 56, a7);
+        int64_t j = 0;
+        for (; j < both; ++j) {
+          const __m256 u = _mm256_broadcast_ss(p0 + j), w = _mm256_broadcast_ss(p1 + j);
+          const float* v = vr + j * D + x;
+          __m256 vv = _mm256_loadu_ps(v);
+          a0 = _mm256_fmadd_ps(u, vv, a0); b0 = _mm256_fmadd_ps(w, vv, b0);
+          vv = _mm256_loadu_ps(v + 8);
+          a1 = _mm256_fmadd_ps(u, vv, a1); b1 = _mm256_fmadd_ps(w, vv, b1);
+          vv = _mm256_loadu_ps(v + 16);
+          a2 = _mm256_fmadd_ps(u, vv, a2); b2 = _mm256_fmadd_ps(w, vv, b2);
+          vv = _mm256_loadu_ps(v + 24);
+          a3 = _mm256_fmadd_ps(u, vv, a3); b3 = _mm256_fmadd_ps(w, vv, b3);
+        }
+        for (int64_t jj = j; jj < n0; ++jj) {
+          const __m256 u = _mm256_broadcast_ss(p0 + jj);
+          const float* v = vr + jj * D + x;
+          a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v), a0); a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 8), a1);
+          a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 16), a2); a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 24), a3);
+        }
+        for (int64_t jj = j; jj < n1; ++jj) {
+          const __m256 w = _mm256_broadcast_ss(p1 + jj);
+          const float* v = vr + jj * D + x;
+          b0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), b0); b1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), b1);
+          b2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), b2); b3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), b3);
+        }
+        _mm256_storeu_ps(o0 + x, a0); _mm256_storeu_ps(o0 + x + 8, a1); _mm256_storeu_ps(o0 + x + 16, a2);
+        _mm256_storeu_ps(o0 + x + 24, a3);
+        if (pair) {
+          _mm256_storeu_ps(o1 + x, b0); _mm256_storeu_ps(o1 + x + 8, b1); _mm256_storeu_ps(o1 + x + 16, b2);
+          _mm256_storeu_ps(o1 + x + 24, b3);
+        }
       }
     }
   }
@@ -664,6 +715,14 @@ std::vector<int64_t> by_cost(const std::vector<Item>& items) {
   return order;
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+constexpr int64_t kKeptStoreFloats = int64_t(1) << 22;  // 16 MiB
+
 struct Partial {
   std::vector<float> m, l, prod, o;
 };
@@ -778,9 +837,20 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   int64_t store_floats = 0;
   for (const Item& ch : chunks) store_floats += (ch.t1 - ch.t0) * group * (ch.c1 - ch.c0) * block_n;
   std::vector<int64_t> store_at(chunks.size(), -1);
-  at::Tensor store;
+  float* store = nullptr;
+  Buffer fresh;
   if (!chunks.empty() && store_floats * 4 <= store_bytes) {
-    store = at::empty({store_floats}, at::kFloat);
+    // Decode calls come one per generated token: the calling thread keeps a small store for the
+    // next call rather than mapping (and faulting in) fresh pages each time.
+    thread_local Buffer kept;
+    thread_local int64_t kept_floats = 0;
+    if (store_floats <= kKeptStoreFloats) {
+      if (store_floats > kept_floats) { kept = alloc(store_floats); kept_floats = store_floats; }
+      store = kept.get();
+    } else {
+      fresh = alloc(store_floats);
+      store = fresh.get();
+    }
     int64_t at_ = 0;
     for (size_t x = 0; x < chunks.size(); ++x) {
       store_at[x] = at_;
@@ -788,36 +858,50 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     }
   }
   auto store_of = [&](const Item& it) -> float* {
-    return it.slot >= 0 && store_at[it.slot] >= 0 ? store.data_ptr<float>() + store_at[it.slot] : nullptr;
+    return it.slot >= 0 && store_at[it.slot] >= 0 ? store + store_at[it.slot] : nullptr;
   };
-  if (!chunks.empty()) {
-    const auto order = by_cost(chunks);
-    run_items(static_cast<int64_t>(chunks.size()), [&](int64_t i, Scratch& sc) {
-      const Item& ch = chunks[order[i]];
-      const int64_t R = (ch.t1 - ch.t0) * group;
-      sc.ensure(R, dim, block_n);
-      load_q(c, ch, sc.q.get());
-      cmax[order[i]].assign(R, kNegInf);
-      chunk_max(c, ch, sc, cmax[order[i]].data(), store_of(ch));
-    });
-  }
-
-  // Whole items and chunks (pass 2) in one region: a chunk starts from the running max the
-  // sequential walk has before its first block (the max of the earlier chunks' maxima).
+  // One region for both passes: pass 1 of every chunk is handed out before any pass-2 item, so
+  // a chunk's pass 2 waits only for earlier chunks' pass 1 already running on another thread
+  // (never for an item not yet taken: no deadlock, and one thread runs them in order). A chunk
+  // starts from the running max the sequential walk has before its first block: the max of the
+  // earlier chunks' maxima.
+  const auto order1 = by_cost(chunks);
+  std::unique_ptr<std::atomic<int>[]> max_done(new std::atomic<int>[chunks.size() + 1]);
+  for (size_t x = 0; x < chunks.size(); ++x) max_done[x].store(0, std::memory_order_relaxed);
   std::vector<Partial> parts(chunks.size());
   std::vector<Item> all = whole;
   all.insert(all.end(), chunks.begin(), chunks.end());
-  const auto order = by_cost(all);
-  run_items(static_cast<int64_t>(all.size()), [&](int64_t i, Scratch& sc) {
-    const Item& it = all[order[i]];
+  const auto order2 = by_cost(all);
+  const int64_t n1 = static_cast<int64_t>(chunks.size());
+  run_items(n1 + static_cast<int64_t>(all.size()), [&](int64_t i, Scratch& sc) {
+    if (i < n1) {
+      const Item& ch = chunks[order1[i]];
+      const int64_t R = (ch.t1 - ch.t0) * group;
+      sc.ensure(R, dim, block_n);
+      load_q(c, ch, sc.q.get());
+      cmax[order1[i]].assign(R, kNegInf);
+      chunk_max(c, ch, sc, cmax[order1[i]].data(), store_of(ch));
+      max_done[order1[i]].store(1, std::memory_order_release);
+      return;
+    }
+    const Item& it = all[order2[i - n1]];
     const int64_t R = (it.t1 - it.t0) * group;
     sc.ensure(R, dim, block_n);
     load_q(c, it, sc.q.get());
     float* m = sc.m.get();
     for (int64_t r = 0; r < R; ++r) m[r] = kNegInf;
-    if (it.slot >= 0)
-      for (int64_t x = it.first; x < it.slot; ++x)
+    if (it.slot >= 0) {
+      for (int64_t x = it.first; x < it.slot; ++x) {
+        for (int spins = 0; !max_done[x].load(std::memory_order_acquire); ++spins) {
+          if (spins < 64) {
+            cpu_relax();
+          } else {
+            std::this_thread::yield();  // under load the thread we wait for may need this core
+          }
+        }
         for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
+      }
+    }
     walk(c, it, sc, store_of(it));
     if (it.slot < 0) {
       finish(c, it, m, sc.l.get(), sc.o.get(), sc.alpha.get());

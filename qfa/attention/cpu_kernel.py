@@ -9,12 +9,18 @@ out to the threads of one parallel region; each worker runs its GEMMs single-thr
 ``cpublas::gemm`` is not exported to extensions) on cache-resident blocks and one fused pass per block for
 max, exp, row sum, HiF8 rounding and alpha; only blocks that cross the causal diagonal are
 masked. Prefill decodes each batch's K and V to fp32 once (a second, short region); decode reads
-the 1-byte codes of each block directly.
+the 1-byte codes of each block directly. Blocks of at most 16 rows (decode: new tokens x the
+GQA group) skip the GEMM calls: 8 keys at a time are decoded (AVX2 ``vpshufb`` lookups of the
+bf16 bytes of each value, bit-exact to the 256-entry table) into an L1 buffer and the dot products
+run from there in a fixed order; which path a block takes depends only on the item's shape. The
+workers pin both OpenMP's and MKL's thread count to 1 (torch sets MKL's, which MKL reads
+instead of OpenMP's: without it, every GEMM inside a worker opened a nested team).
 
 Decode-shaped items (a few rows: new tokens x the GQA group; too few items to fill the cores)
 split their keys into chunks of whole 256-key blocks. A chunk starts from the running max the
 sequential walk has before its first block (pass 1 computes each chunk's row maxima, and keeps
-the scores for pass 2 within a budget; max is exact), so every exponent, every P and every
+the scores for pass 2 within a budget; max is exact; both passes run in one parallel region,
+every pass 1 handed out before any pass 2), so every exponent, every P and every
 HiF8(P) is the sequential walk's, bit for bit. What differs is only fp32
 reassociation in the alphas: the sequential walk applies each block's alpha to l and O in turn,
 ``l = (l * a1 + r1) * a2 + r2``; a chunk starts from l = 0, O = 0 and keeps the product of its
@@ -142,6 +148,9 @@ def _round_consts() -> list[int]:
             rounding.NAN_BITS]
 
 
+_ROUND_CONSTS = _round_consts()
+
+
 def forward(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
@@ -176,5 +185,5 @@ def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_sc
         q, k, v, strides, out, list(normalised_strides(out, plan.layout)), lse, lse_strides,
         plan.heads_kv, plan.group, plan.head_dim, plan.block_n, list(plan.q_starts), list(plan.kv_starts),
         list(plan.q_lens), list(plan.kv_lens), bool(plan.causal), dscale, ln_p, float(v_descale), table,
-        _round_consts(), tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES,
+        _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES,
     )
