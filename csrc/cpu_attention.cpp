@@ -18,6 +18,7 @@
 #endif
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -28,6 +29,10 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -695,17 +700,115 @@ struct SingleThreadedBlas {
   }
 };
 
-// Hands items out costliest first to whichever thread asks next; one parallel region.
+// ---- the workers ------------------------------------------------------------------------------
+// A region of n items, handed out by an atomic counter to the calling thread and to the pool's
+// threads. The caller waits only for items that some thread has taken: a pool thread that is
+// slow to wake (the core is busy with another process) finds the counter spent and takes
+// nothing, where an OpenMP region would wait at its closing barrier for every thread of the
+// team. Items are the unit of work; which thread runs one never changes what it computes.
+struct Region {
+  std::function<void(int64_t, Scratch&)> fn;
+  int64_t n = 0;
+  int64_t helpers = 0;  // pool threads that may join (torch's thread count - 1)
+  std::atomic<int64_t> next{0}, done{0}, joined{0};
+  std::mutex m;
+  std::condition_variable cv;
+  std::exception_ptr error;
+
+  void drain(Scratch& sc) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      try {
+        fn(i, sc);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(m);
+        if (!error) error = std::current_exception();
+      }
+      if (done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lk(m);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+class Pool {
+ public:
+  static Pool& get() {
+    static std::once_flag registered;
+    std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, [] { instance() = nullptr; }); });
+    Pool*& p = instance();
+    if (!p) p = new Pool();  // never destroyed: its threads sleep until the process exits
+    return *p;
+  }
+
+  // Runs fn on every item with up to threads - 1 pool threads beside the caller.
+  template <typename F>
+  void run(int64_t n, int64_t threads, const F& fn) {
+    if (n <= 0) return;
+    auto r = std::make_shared<Region>();
+    r->fn = fn;
+    r->n = n;
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    // A second concurrent call (another Python thread) runs alone on its own thread.
+    r->helpers = busy.owns_lock() ? std::min<int64_t>(threads, n) - 1 : 0;
+    if (r->helpers > 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      while (static_cast<int64_t>(threads_.size()) < r->helpers) threads_.emplace_back([this] { work(); });
+      region_ = r;
+      ++generation_;
+    }
+    if (r->helpers > 0) cv_.notify_all();
+    {
+      SingleThreadedBlas one;
+      Scratch sc;
+      r->drain(sc);
+    }
+    {
+      std::unique_lock<std::mutex> lk(r->m);
+      r->cv.wait(lk, [&] { return r->done.load() == r->n; });
+    }
+    if (r->helpers > 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      region_.reset();
+    }
+    if (r->error) std::rethrow_exception(r->error);
+  }
+
+ private:
+  static Pool*& instance() {
+    static Pool* p = nullptr;
+    return p;
+  }
+
+  void work() {
+    SingleThreadedBlas one;  // for the thread's life
+    uint64_t seen = 0;
+    for (;;) {
+      std::shared_ptr<Region> r;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        r = region_;
+      }
+      if (!r || r->joined.fetch_add(1) >= r->helpers) continue;
+      Scratch sc;
+      r->drain(sc);
+    }
+  }
+
+  std::mutex busy_;  // held by the call whose region the pool runs
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> threads_;
+  std::shared_ptr<Region> region_;
+  uint64_t generation_ = 0;
+};
+
+// Hands items out costliest first to whichever thread asks next; one region.
 template <typename F>
 void run_items(int64_t n, const F& fn) {
-  if (n == 0) return;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    SingleThreadedBlas one;
-    Scratch sc;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, sc);
-  });
+  Pool::get().run(n, at::get_num_threads(), fn);
 }
 
 std::vector<int64_t> by_cost(const std::vector<Item>& items) {
@@ -793,9 +896,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     }
     const int64_t nblk = static_cast<int64_t>(blocks.size()) / 3;
     if (nblk) {
-      at::parallel_for(0, nblk, 1, [&](int64_t s, int64_t e) {
-        SingleThreadedBlas one;
-        for (int64_t i = s; i < e; ++i) {
+      run_items(nblk, [&](int64_t i, Scratch&) {
+        {
           const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
           const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);
           const int64_t off = (h * kv_lens[b] + j0) * dim;
@@ -891,7 +993,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     float* m = sc.m.get();
     for (int64_t r = 0; r < R; ++r) m[r] = kNegInf;
     if (it.slot >= 0) {
-      for (int64_t x = it.first; x < it.slot; ++x) {
+      // The earlier chunks' maxima, and the chunk's own pass 1 (the scores it stored).
+      for (int64_t x = it.first; x <= it.slot; ++x) {
         for (int spins = 0; !max_done[x].load(std::memory_order_acquire); ++spins) {
           if (spins < 64) {
             cpu_relax();
@@ -899,7 +1002,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
             std::this_thread::yield();  // under load the thread we wait for may need this core
           }
         }
-        for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
+        if (x < it.slot)
+          for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
       }
     }
     walk(c, it, sc, store_of(it));

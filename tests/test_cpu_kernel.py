@@ -150,6 +150,10 @@ for threads in (1, 2):
         plan, args = t.make(**t.CASES[name])
         out, lse = t.cpu_kernel.forward(plan, *args)
         results.append((out.view(torch.int16).clone(), lse.view(torch.int32).clone()))
+    # One block per chunk: a chunk's pass 2 reads the running max of many chunks before it.
+    plan, args = t.make(**t.CASES["decode-1x4097"])
+    out, lse = t._fp32_out(plan, args, chunk_blocks=1)
+    results.append((out.view(torch.int64).clone(), lse.view(torch.int64).clone()))
 half = len(results) // 2
 assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(results[:half], results[half:]))
 print("identical")

@@ -4,7 +4,10 @@ Same contract and numerics as :func:`qfa.attention.torch_path.forward` (the gold
 for each query row, its visible keys in 256-key blocks in ascending order, P rounded to HiF8
 relative to the running max, exact HiF8 products with fp32 accumulation. The work is organised
 the way ATen's own CPU flash attention is: work items of (batch, kv head, query tile), handed
-out to the threads of one parallel region; each worker runs its GEMMs single-threaded
+out by an atomic counter to the calling thread and to the kernel's own pool of
+``torch.get_num_threads() - 1`` threads (not an OpenMP team: the caller waits only for items a
+thread has taken, never for a thread that is slow to wake because its core is busy, which an
+OpenMP region's closing barrier does); each worker runs its GEMMs single-threaded
 (``at::mm_out`` inside the region, i.e. MKL's sgemm on one thread; ATen's
 ``cpublas::gemm`` is not exported to extensions) on cache-resident blocks and one fused pass per block for
 max, exp, row sum, HiF8 rounding and alpha; only blocks that cross the causal diagonal are
