@@ -24,11 +24,14 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from qfa.tools.bench import scaled_inputs
 from qfa.tools.bench.timing import markdown_table, median_seconds
 from qfa.tools.metrics import error_metrics
 from qfa.tools.workloads import head_pairs
 
 HEADS = ((12, 2), (32, 8))
+#: ``--quant-mode``: the op's modes, as the header names them.
+QUANT_MODES = {0: "HiF8 per-tensor", 1: "MXFP8", 6: "FP8 per-token-head"}
 SEQS = (512, 1024, 2048, 4096)
 MEMORY_SEQ = 16384
 MEMORY_LIMIT_GIB = 4.0
@@ -69,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-sq", type=lambda s: [int(x) for x in s.split(",")], default=list(DECODE_SQ))
     parser.add_argument("--load", action="store_true",
                         help="also time every row while a busy-loop process occupies one core")
+    parser.add_argument("--quant-mode", type=int, choices=QUANT_MODES, default=0,
+                        help="0 HiF8 per-tensor (default), 1 MXFP8, 6 FP8 per-token-head: the op's mode timed")
 
 
 def cpu_description(cpuinfo: str) -> str:
@@ -84,10 +89,12 @@ def cpu_description(cpuinfo: str) -> str:
     return f"{model}; {isa}"
 
 
-def code_path(backend: str) -> str:
+def code_path(backend: str, quant_mode: int = 0) -> str:
     """Which implementation quant_flash_attn runs for ``backend`` on CPU tensors."""
     if backend != "torch":
         return f"backend {backend}"
+    if quant_mode != 0:
+        return "pure-torch path of modes 1 and 6 (qfa.attention.scaled_torch_path; no native kernel for them)"
     from qfa.attention import cpu_kernel
 
     if cpu_kernel.available():
@@ -137,15 +144,29 @@ def _time(fn: Callable[[], object]) -> float:
     return median_seconds(fn, min_runs=3, min_total=0)
 
 
-def _timings(codes, descales, values, backend: str, causal: bool) -> dict[str, Callable[[], object]]:
-    """The three timed calls of a row: qfa, fp32 SDPA, bf16 SDPA."""
+def row_timings(quant_mode: int, batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int, backend: str,
+                causal: bool) -> dict[str, Callable[[], object]]:
+    """The timed calls of one row in ``quant_mode``: its inputs, quantised in the mode's format."""
+    if quant_mode == 0:
+        if batch == 1 and seq_q == seq_kv:
+            codes, descales, values = quantised_inputs(heads_q, heads_kv, seq_q)
+        else:
+            codes, descales, values = quantised_decode_inputs(batch, heads_q, heads_kv, seq_q, seq_kv)
+        return _timings(codes, descales, values, backend, causal)
+    call, values = scaled_inputs.BUILDERS[quant_mode](batch, heads_q, heads_kv, seq_q, seq_kv, causal=causal,
+                                                      backend=backend)
+    return _timings(None, None, values, backend, causal, call=call)
+
+
+def _timings(codes, descales, values, backend: str, causal: bool, call=None) -> dict[str, Callable[[], object]]:
+    """The three timed calls of a row: qfa (``call``, or mode 0 on ``codes``), fp32 SDPA, bf16 SDPA."""
     from qfa.attention import quant_flash_attn
 
     qd, kd, vd = values
     qb, kb, vb = qd.bfloat16(), kd.bfloat16(), vd.bfloat16()
     mask = 3 if causal else 0
     return {
-        "qfa": lambda: quant_flash_attn(*codes, *descales, 7, mask_mode=mask, backend=backend),
+        "qfa": call or (lambda: quant_flash_attn(*codes, *descales, 0, mask_mode=mask, backend=backend)),
         "fp32": lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=True),
         "bf16": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, enable_gqa=True),
     }
@@ -176,22 +197,20 @@ def _load_cells(quiet: dict[str, float], loaded: dict[str, float] | None) -> lis
 LOAD_HEADERS = ["qfa ms, 1 core busy", "qfa busy / quiet", "SDPA fp32 ms, 1 core busy", "SDPA busy / quiet"]
 
 
-def decode_rows(skvs, batches, sqs, backend: str, heads: tuple[int, int], load: bool = False):
+def decode_rows(skvs, batches, sqs, backend: str, heads: tuple[int, int], load: bool = False, quant_mode: int = 0):
     """Decode-shaped rows (no mask): (rows, qfa / fp32 SDPA per row, qfa busy / quiet per row)."""
     hq, hkv = heads
     rows, ratios, load_ratios = [], [], []
     for b in batches:
         for sq in sqs:
             for skv in skvs:
-                codes, descales, values = quantised_decode_inputs(b, hq, hkv, sq, skv)
-                t, busy = measure(_timings(codes, descales, values, backend, causal=False), load)
+                t, busy = measure(row_timings(quant_mode, b, hq, hkv, sq, skv, backend, causal=False), load)
                 rows.append([b, sq, skv, f"{t['qfa'] * 1e3:.1f}", f"{t['fp32'] * 1e3:.1f}",
                              f"{t['qfa'] / t['fp32']:.2f}x", f"{t['bf16'] * 1e3:.1f}",
                              f"{t['qfa'] / t['bf16']:.2f}x"] + _load_cells(t, busy))
                 ratios.append(t["qfa"] / t["fp32"])
                 if busy:
                     load_ratios.append(busy["qfa"] / t["qfa"])
-                del codes, descales, values
                 print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     return rows, ratios, load_ratios
@@ -232,14 +251,13 @@ def speed_rows(seqs, backend: str, heads=HEADS) -> tuple[list[list[str]], list[f
     return rows, target_ratios
 
 
-def prefill_rows(seqs, backend: str, heads=HEADS, load: bool = False):
+def prefill_rows(seqs, backend: str, heads=HEADS, load: bool = False, quant_mode: int = 0):
     """:func:`speed_rows`, and with ``load`` each row's times with one core busy beside them, and
     qfa's busy / quiet time per row."""
     rows, target_ratios, load_ratios = [], [], []
     for hq, hkv in heads:
         for seq in seqs:
-            codes, descales, values = quantised_inputs(hq, hkv, seq)
-            t, busy = measure(_timings(codes, descales, values, backend, causal=True), load)
+            t, busy = measure(row_timings(quant_mode, 1, hq, hkv, seq, seq, backend, causal=True), load)
             t_ours, t32, t16 = t["qfa"], t["fp32"], t["bf16"]
             flops = causal_flops(hq, seq)
             rows.append([f"({hq}, {hkv})", seq, f"{t_ours * 1e3:.1f}", f"{flops / t_ours / 1e9:.1f}",
@@ -312,13 +330,15 @@ def accuracy_rows(seq: int) -> list[list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    print(f"quant_flash_attn (HiF8 per-tensor, quant_mode 0, D=128) vs SDPA; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"backend={args.backend}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    mode = args.quant_mode
+    print(f"quant_flash_attn ({QUANT_MODES[mode]}, quant_mode {mode}, D=128) vs SDPA on the dequantised inputs; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend={args.backend}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"CPU: {cpu_description(cpuinfo)}")
-    print(f"code path: {code_path(args.backend)}")
+    print(f"code path: {code_path(args.backend, mode)}")
     extra = LOAD_HEADERS if args.load else []
     load_ratios = []
-    rows, target_ratios, busy = prefill_rows(args.seqs, args.backend, args.heads, args.load)
+    rows, target_ratios, busy = prefill_rows(args.seqs, args.backend, args.heads, args.load, mode)
     load_ratios += busy
     print("\nprefill: causal, B=1")
     print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
@@ -328,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     if args.decode_skv:
         hq, hkv = args.heads[0]
         rows, decode_ratios, busy = decode_rows(args.decode_skv, args.decode_batch, args.decode_sq, args.backend,
-                                                args.heads[0], args.load)
+                                                args.heads[0], args.load, mode)
         load_ratios += busy
         print(f"\ndecode: Sq new tokens against Skv keys, no mask, (Nq, Nkv) = ({hq}, {hkv})")
         print(markdown_table(["B", "Sq", "Skv", "qfa ms", "SDPA fp32 ms", "qfa / fp32", "SDPA bf16 ms",
@@ -336,12 +356,15 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + decode_verdict(decode_ratios))
     if load_ratios:
         print(load_verdict(load_ratios))
-    if args.memory_seq:
+    if mode != 0 and (args.memory_seq or args.accuracy_seq):
+        print("\nthe memory and accuracy runs are the HiF8 mode's (quant_mode 0): skipped; for the formats' accuracy "
+              "see eval-ppl --attn qfa_hif8,qfa_mxfp8,qfa_fp8")
+    elif args.memory_seq:
         mem = peak_memory(args.memory_seq, args.backend)
         verdict = "OK" if mem["peak_growth_gib"] < MEMORY_LIMIT_GIB else "OVER"
         print(f"\npeak memory, (32, 8), S={args.memory_seq}: {mem['peak_growth_gib']:.2f} GiB above the "
               f"{mem['inputs_mib']:.0f} MiB of HiF8 inputs (limit {MEMORY_LIMIT_GIB} GiB: {verdict})")
-    if args.accuracy_seq:
+    if mode == 0 and args.accuracy_seq:
         print(f"\naccuracy against exact fp32 attention on the unquantised inputs (causal, (12, 2), "
               f"S={args.accuracy_seq})")
         print(markdown_table(["data", "attention", "cosine", "rel L2", "max abs"], accuracy_rows(args.accuracy_seq)))
