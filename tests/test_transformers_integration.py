@@ -367,3 +367,15 @@ def test_format_names_run_a_tiny_model(fmt):
         assert min_cosine(outs["left"][i], outs["right"][i]) > 0.9999
         alone = logits(model, "sdpa", s[None])[0]
         assert min_cosine(outs["left"][i], alone) > 0.99
+
+
+def test_format_names_refuse_a_hif8_cache():
+    """A HiF8Cache is read by the HiF8 attention only: qfa_mxfp8 on one is an error, not a silent
+    HiF8 run under another name."""
+    from qfa.serving import HiF8Cache
+
+    name = qfa_hf.register_mxfp8()
+    model = tiny_model("qwen2")
+    model.set_attn_implementation(name)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^qfa_mxfp8: a qfa.serving.HiF8Cache holds HiF8 codes"):
+        model(ids(1, 16), past_key_values=HiF8Cache(), use_cache=True)

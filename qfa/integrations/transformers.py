@@ -270,6 +270,10 @@ def make_attention_function(
         is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         found = hif8_cache_of(key)  # a qfa.serving.HiF8Cache: attention on its stored codes
         if found is not None:
+            if attention_fn is not None and attention_fn is not _default_attention_fn():
+                raise ValueError(f"{name}: a qfa.serving.HiF8Cache holds HiF8 codes and is read by the HiF8 "
+                                 f"attention only; use attn_implementation='qfa_hif8' with it, or a DynamicCache "
+                                 f"with {name}")
             cache, layer_idx = found
             return cached_attention(module, query, cache, layer_idx, softmax_scale=scaling,
                                     attention_mask=attention_mask, is_causal=bool(is_causal),
