@@ -351,16 +351,19 @@ def test_metadata_runs_give_the_bits_of_planned_calls():
 # --- Bad input ----------------------------------------------------------------------------------------
 
 
-def _mx_bad(**change):
-    case = mx_case((2,), (64,), d=64, seed=8)
-    args, kwargs = mx_call(case)
+def _changed_call(args, kwargs, change: dict):
+    """quant_flash_attn on ``args`` / ``kwargs`` with ``change`` applied: a tensor argument
+    (q .. v_descale) replaced by a value or by a function of the good one; keywords updated."""
     args = list(args)
     for i, name in enumerate(("q", "k", "v", "q_descale", "k_descale", "v_descale")):
         if name in change:
             value = change.pop(name)
             args[i] = value(args[i]) if callable(value) else value
-    kwargs.update(change)
-    return quant_flash_attn(*args, **kwargs)
+    return quant_flash_attn(*args, **{**kwargs, **change})
+
+
+def _mx_bad(**change):
+    return _changed_call(*mx_call(mx_case((2,), (64,), d=64, seed=8)), change)
 
 
 def _e8m0_bump(code):
@@ -417,15 +420,7 @@ def test_bad_mxfp8_paged_block_size():
 
 
 def _fp8_bad(**change):
-    case = fp8_case((2,), (130,), seed=8)
-    args, kwargs = fp8_call(case)
-    args = list(args)
-    for i, name in enumerate(("q", "k", "v", "q_descale", "k_descale", "v_descale")):
-        if name in change:
-            value = change.pop(name)
-            args[i] = value(args[i]) if callable(value) else value
-    kwargs.update(change)
-    return quant_flash_attn(*args, **kwargs)
+    return _changed_call(*fp8_call(fp8_case((2,), (130,), seed=8)), change)
 
 
 def _set_first(value):
