@@ -52,6 +52,12 @@ struct RoundConsts {
   int32_t nan_bits;
 };
 
+RoundConsts round_consts_of(const std::vector<int64_t>& v) {
+  TORCH_CHECK(v.size() == 7, "round_consts: 7 values");
+  return RoundConsts{{int32_t(v[0]), int32_t(v[1]), int32_t(v[2])}, int32_t(v[3]), int32_t(v[4]), int32_t(v[5]),
+                     int32_t(v[6])};
+}
+
 inline int32_t round_hif8_bits(int32_t bits, const RoundConsts& c) {
   const int32_t a = bits & 0x7FFF0000;
   const int32_t cl = a < c.max_bits ? a : c.max_bits;
@@ -67,9 +73,63 @@ inline int32_t round_hif8_bits(int32_t bits, const RoundConsts& c) {
   return a > 0x7F800000 ? c.nan_bits : r;
 }
 
-inline void round_row(float* p, int64_t n, const RoundConsts& c) {
+inline void round_row_scalar(float* p, int64_t n, const RoundConsts& c) {
   int32_t* b = reinterpret_cast<int32_t*>(p);
   for (int64_t j = 0; j < n; ++j) b[j] = round_hif8_bits(b[j], c);
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// round_hif8_bits on 8 lanes, step for step (signed compares are safe: every operand is a
+// non-negative magnitude below 2^31).
+struct RoundVec {
+  __m256i band_p1[3], min_denormal, underflow_m1, max_bits, nan_bits, inf_bits, mag_mask, sign_mask;
+  explicit RoundVec(const RoundConsts& c) {
+    for (int i = 0; i < 3; ++i) band_p1[i] = _mm256_set1_epi32(c.band[i] + 1);
+    min_denormal = _mm256_set1_epi32(c.min_denormal);
+    underflow_m1 = _mm256_set1_epi32(c.underflow - 1);
+    max_bits = _mm256_set1_epi32(c.max_bits);
+    nan_bits = _mm256_set1_epi32(c.nan_bits);
+    inf_bits = _mm256_set1_epi32(0x7F800000);
+    mag_mask = _mm256_set1_epi32(0x7FFF0000);
+    sign_mask = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
+  }
+  inline __m256 operator()(__m256 x) const {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i a = _mm256_and_si256(bits, mag_mask);
+    const __m256i cl = _mm256_min_epi32(a, max_bits);
+    const __m256i e = _mm256_abs_epi32(_mm256_sub_epi32(_mm256_srli_epi32(cl, 23), _mm256_set1_epi32(127)));
+    // m = number of bands with e <= band[i]: each true compare is -1.
+    const __m256i neg_m = _mm256_add_epi32(_mm256_add_epi32(_mm256_cmpgt_epi32(band_p1[0], e),
+                                                            _mm256_cmpgt_epi32(band_p1[1], e)),
+                                           _mm256_cmpgt_epi32(band_p1[2], e));
+    const __m256i m = _mm256_sub_epi32(_mm256_setzero_si256(), neg_m);
+    const __m256i half = _mm256_srlv_epi32(_mm256_set1_epi32(1 << 22), m);
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(cl, half),
+                                 _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(half, half)));
+    const __m256i below = _mm256_and_si256(_mm256_cmpgt_epi32(cl, underflow_m1), min_denormal);
+    r = _mm256_blendv_epi8(r, below, _mm256_cmpgt_epi32(min_denormal, cl));
+    r = _mm256_blendv_epi8(r, a, _mm256_cmpeq_epi32(a, inf_bits));
+    const __m256i nonzero = _mm256_xor_si256(_mm256_cmpeq_epi32(r, _mm256_setzero_si256()), _mm256_set1_epi32(-1));
+    r = _mm256_or_si256(r, _mm256_and_si256(nonzero, _mm256_and_si256(bits, sign_mask)));
+    r = _mm256_blendv_epi8(r, nan_bits, _mm256_cmpgt_epi32(a, inf_bits));
+    return _mm256_castsi256_ps(r);
+  }
+};
+#endif
+
+// HiF8 rounding of a row of P in place: 8 lanes at a time where the build has AVX2, the same
+// bit rule in scalar code for the tail (and everywhere else).
+inline void round_row(float* p, int64_t n, const RoundConsts& c, bool simd = true) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if (simd && n >= 8) {
+    const RoundVec rv(c);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, rv(_mm256_loadu_ps(p + j)));
+  }
+#else
+  (void)simd;
+#endif
+  round_row_scalar(p + j, n - j, c);
 }
 
 // IEEE maximum (NaN propagates), as torch.maximum / amax.
@@ -857,8 +917,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   c.causal = causal;
   c.dscale = static_cast<float>(dscale); c.ln_p = static_cast<float>(ln_p); c.v_descale = static_cast<float>(v_descale);
   c.dec.init(decode_table.data_ptr<float>());
-  c.rc = RoundConsts{{int32_t(round_consts[0]), int32_t(round_consts[1]), int32_t(round_consts[2])},
-                     int32_t(round_consts[3]), int32_t(round_consts[4]), int32_t(round_consts[5]), int32_t(round_consts[6])};
+  c.rc = round_consts_of(round_consts);
   const int64_t B = static_cast<int64_t>(q_lens.size());
   const int64_t T = std::max<int64_t>(1, tile_rows / group);  // query positions per tile
 
@@ -1051,6 +1110,16 @@ std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Ten
   return {out, finite};
 }
 
+// The kernel's HiF8 rounding of P on its own, for the tests: a rounded copy of a 1-D fp32 tensor
+// (the 8-lane body and the scalar tail, or the scalar rule alone).
+at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool simd) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 1, "x: 1-D fp32");
+  const RoundConsts rc = round_consts_of(round_consts);
+  at::Tensor out = x.contiguous().clone();
+  round_row(out.data_ptr<float>(), out.numel(), rc, simd);
+  return out;
+}
+
 // Whether the SIMD decoder runs for this table in this build.
 bool simd_decoder(const at::Tensor& decode_table) {
   TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
@@ -1061,6 +1130,7 @@ bool simd_decoder(const at::Tensor& decode_table) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_codes", &decode_codes, "HiF8 codes to fp32 with the kernel's decoder (tests)");
+  m.def("round_p", &round_p, "HiF8 rounding of P with the kernel's code (tests)");
   m.def("simd_decoder", &simd_decoder, "whether the SIMD decoder runs for this table (tests)");
   m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/cpu_kernel.py)");
 }

@@ -337,3 +337,27 @@ def test_nan_value_in_a_fused_decode_block_reaches_only_the_rows_that_see_it(mon
     assert torch.isnan(out[0, 4:, 2, 9]).all()  # q heads 4..7 read kv head 1
     assert not torch.isnan(out[0, :, :2]).any() and not torch.isnan(out[0, :4]).any()
     assert torch.equal(torch.isnan(out), torch.isnan(want_out))
+
+
+@needs_kernel
+def test_kernel_rounding_of_p_is_the_table_bit_for_bit():
+    """The kernel's HiF8 rounding of P (8 lanes of integer ops on AVX2 / AVX-512 builds, the
+    scalar rule in the tail and elsewhere) against the rounding table, exhaustively: every top-16
+    pattern of fp32 (NaNs, ±Inf, denormals, both signs, every threshold) with low bits 0, 0xFFFF
+    and random, in the SIMD body and the scalar tail (odd lengths, shifted starts)."""
+    from qfa.cast import rounding
+
+    mod = cpu_kernel._module
+    top = torch.arange(1 << 16, dtype=torch.int32) << 16
+    gen = torch.Generator().manual_seed(11)
+    lows = (torch.zeros(1 << 16, dtype=torch.int32), torch.full((1 << 16,), 0xFFFF, dtype=torch.int32),
+            torch.randint(0, 1 << 16, (1 << 16,), generator=gen, dtype=torch.int32))
+    table = luts.round_lut().view(torch.int32)
+    for low in lows:
+        x = (top | low)[torch.randperm(1 << 16, generator=gen)]
+        want = table[(x >> 16) & 0xFFFF]
+        assert torch.equal(rounding.round_hif8_bits(x), want)  # the two rule-holders agree
+        for simd in (True, False):
+            for start, stop in ((0, 1 << 16), (3, (1 << 16) - 2), (5, 12)):
+                got = mod.round_p(x[start:stop].view(torch.float32), cpu_kernel._ROUND_CONSTS, simd)
+                assert torch.equal(got.view(torch.int32), want[start:stop]), (simd, start, stop)
