@@ -289,8 +289,10 @@ struct Call {
   // Per batch, per (kv head, block): whether the pre-decoded V block is finite.
   std::vector<std::vector<uint8_t>> v_finite;
   RoundConsts rc;
-  // Pre-decoded fp32 K and V, per batch: (heads_kv, kv_len, dim), or empty (decode on the fly).
+  // Pre-decoded fp32 K and V, per batch, or empty (decode on the fly): V (heads_kv, kv_len, dim);
+  // K the same, or with panel GEMMs as (heads_kv, blocks) of block_n x dim panels (see to_panels).
   std::vector<float*> k_dec, v_dec;
+  bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
 };
 
 struct Item {
@@ -303,13 +305,13 @@ struct Item {
 
 struct Scratch {
   int64_t rows = 0;
-  Buffer q, k, v, s, pv, o, m, l, alpha, prod, rsum;
+  Buffer q, k, kp, v, vs, s, pv, o, m, l, alpha, prod, rsum;
   void ensure(int64_t r, int64_t dim, int64_t bn) {
     if (r <= rows) return;
     rows = r;
     q = alloc(r * dim); s = alloc(r * bn); pv = alloc(r * dim); o = alloc(r * dim);
     m = alloc(r); l = alloc(r); alpha = alloc(r); prod = alloc(r); rsum = alloc(r);
-    if (!k) { k = alloc(bn * dim); v = alloc(bn * dim); }
+    if (!k) { k = alloc(bn * dim); kp = alloc(bn * dim); v = alloc(bn * dim); vs = alloc(bn * dim); }
   }
 };
 
@@ -453,6 +455,137 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
 }
 #endif
 
+#ifdef QFA_SIMD
+// ---- many-row blocks (prefill): register-tiled GEMMs --------------------------------------------
+// Tiles of 6 rows x 16 columns (12 accumulator registers, 2 loads and 6 broadcasts per 12 FMAs);
+// every output element is one FMA chain over the summed index in ascending order. For P @ V that
+// is exactly the few-row kernel's order (pv_fused: a zero P adds nothing to a finite value), so
+// a block's bits do not depend on which of the two ran it. MKL's sgemm, called per block, spent a
+// tenth of the time packing its operands and scaling C; these read K in the panel layout it is
+// decoded into, and Q, P and V as they lie.
+constexpr int64_t kPanel = 16;     // keys per K panel, dims per P @ V slice
+constexpr int64_t kTileRows = 6;
+constexpr int64_t kPanelFloats = kPanel * kFusedDim;
+
+inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20); r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20); r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31); r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31); r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// nk decoded keys (rows of 128 floats) into panels of 16 keys, dims major: key 16 p + j, dim d at
+// panels[p * 2048 + d * 16 + j]; the last panel's missing keys are zero.
+void to_panels(const float* rows, int64_t nk, float* panels) {
+  constexpr int64_t D = kFusedDim;
+  for (int64_t p = 0; p * kPanel < nk; ++p) {
+    float* dst = panels + p * kPanelFloats;
+    for (int64_t j0 = 0; j0 < kPanel; j0 += 8) {
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        __m256 r[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          const int64_t key = p * kPanel + j0 + i;
+          r[i] = key < nk ? _mm256_loadu_ps(rows + key * D + d0) : _mm256_setzero_ps();
+        }
+        transpose8(r);
+        for (int64_t i = 0; i < 8; ++i) _mm256_store_ps(dst + (d0 + i) * kPanel + j0, r[i]);
+      }
+    }
+  }
+}
+
+// dst[r][0:16] = q_r . keys of one panel, rows r < ROWS (q ld 128, dst ld ld).
+template <int ROWS>
+inline void qk_tile(const float* q, const float* panel, float* dst, int64_t ld) {
+  __m256 c0[ROWS], c1[ROWS];
+  for (int r = 0; r < ROWS; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < kFusedDim; ++d) {
+    const __m256 b0 = _mm256_load_ps(panel + d * kPanel), b1 = _mm256_load_ps(panel + d * kPanel + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 a = _mm256_broadcast_ss(q + r * kFusedDim + d);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) { _mm256_storeu_ps(dst + r * ld, c0[r]); _mm256_storeu_ps(dst + r * ld + 8, c1[r]); }
+}
+
+// V of a block as 8 slices of 16 dims, keys major: key j, dim 16 s + x at slices[s * stride + j * 16 + x]
+// (a slice's keys are contiguous: read by every row tile, it stays in L1, where rows of 512 bytes
+// would fall into 8 of L1's 64 sets).
+void to_slices(const float* rows, int64_t nk, float* slices, int64_t stride) {
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t s = 0; s < kFusedDim / kPanel; ++s)
+      std::memcpy(slices + s * stride + j * kPanel, rows + j * kFusedDim + s * kPanel, sizeof(float) * kPanel);
+}
+
+// dst[r][0:16] = sum over keys j < nk of p[r][j] v[j][0:16] (one slice), rows r < ROWS.
+template <int ROWS>
+inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t nk, float* dst) {
+  __m256 c0[ROWS], c1[ROWS];
+  for (int r = 0; r < ROWS; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 b0 = _mm256_load_ps(v + j * kPanel), b1 = _mm256_load_ps(v + j * kPanel + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    _mm256_storeu_ps(dst + r * kFusedDim, c0[r]);
+    _mm256_storeu_ps(dst + r * kFusedDim + 8, c1[r]);
+  }
+}
+
+// Runs tile<ROWS> over rows [0, R) in tiles of 6 and a tail.
+template <template <int> class Tile, typename... Args>
+inline void over_rows(int64_t R, int64_t step_in, int64_t step_out, const float* in, float* out, Args... args) {
+  int64_t r = 0;
+  for (; r + kTileRows <= R; r += kTileRows) Tile<6>::run(in + r * step_in, out + r * step_out, args...);
+  switch (R - r) {
+    case 5: Tile<5>::run(in + r * step_in, out + r * step_out, args...); break;
+    case 4: Tile<4>::run(in + r * step_in, out + r * step_out, args...); break;
+    case 3: Tile<3>::run(in + r * step_in, out + r * step_out, args...); break;
+    case 2: Tile<2>::run(in + r * step_in, out + r * step_out, args...); break;
+    case 1: Tile<1>::run(in + r * step_in, out + r * step_out, args...); break;
+    default: break;
+  }
+}
+
+template <int ROWS>
+struct QkTile {
+  static void run(const float* q, float* dst, const float* panel, int64_t ld) { qk_tile<ROWS>(q, panel, dst, ld); }
+};
+template <int ROWS>
+struct PvTile {
+  static void run(const float* p, float* dst, int64_t ldp, const float* v, int64_t nk) {
+    pv_tile<ROWS>(p, ldp, v, nk, dst);
+  }
+};
+
+// S = Q K^T for R rows and the first nc keys of a block in panels (dst ld ld; columns up to the
+// next multiple of 16 are written, with scores of the panel's other keys).
+void qk_panels(const float* q, int64_t R, const float* panels, int64_t nc, float* dst, int64_t ld) {
+  for (int64_t p = 0; p * kPanel < nc; ++p)
+    over_rows<QkTile>(R, kFusedDim, ld, q, dst + p * kPanel, panels + p * kPanelFloats, ld);
+}
+
+// pv = P V for R rows (P ld ldp) over the block's first nk keys (V in slices of the given stride).
+void pv_panels(const float* p, int64_t R, int64_t ldp, const float* slices, int64_t stride, int64_t nk, float* pv) {
+  for (int64_t s = 0; s < kFusedDim / kPanel; ++s)
+    over_rows<PvTile>(R, ldp, kFusedDim, p, pv + s * kPanel, ldp, slices + s * stride, nk);
+}
+#endif
+
 // Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
 // Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
 int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
@@ -465,11 +598,22 @@ int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& 
   vblk = nullptr;  // decoded by the caller when needed
   if (!c.k_dec.empty() && c.k_dec[b]) {
     kpre = c.k_dec[b] + (h * c.kv_lens[b] + j0) * D;
-    vblk = c.v_dec[b] + (h * c.kv_lens[b] + j0) * D;
+    if (!c.panel_gemm) vblk = c.v_dec[b] + (h * c.kv_lens[b] + j0) * D;  // (panel builds: V in slices)
   }
 #ifdef QFA_SIMD
-  if (fused(c, R - lo)) {
-    qk_fused(c, it, kpre, j0, lo, R, nc, sc, dst);
+  if (fused(c, R - lo)) {  // (with panel GEMMs the pre-decoded K is in panels: decode the codes)
+    qk_fused(c, it, c.panel_gemm ? nullptr : kpre, j0, lo, R, nc, sc, dst);
+    return nk;
+  }
+  if (c.panel_gemm) {
+    if (kpre) {
+      kpre = c.k_dec[b] + (h * ((c.kv_lens[b] + BN - 1) / BN) + blk) * BN * D;
+    } else {
+      decode_rows(c.dec, D, c.k, c.sk, b, h, c.kv_starts[b], j0, j0 + nc, sc.k.get());
+      to_panels(sc.k.get(), nc, sc.kp.get());
+      kpre = sc.kp.get();
+    }
+    qk_panels(sc.q.get() + lo * D, R - lo, kpre, nc, dst, BN);
     return nk;
   }
 #endif
@@ -612,7 +756,8 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
     if (store) {
       sblk = store + (blk - it.c0) * R * BN;
       nk = std::min(j0 + BN, c.kv_lens[it.b]) - j0;
-      if (!c.v_dec.empty() && c.v_dec[it.b]) vblk = c.v_dec[it.b] + (it.h * c.kv_lens[it.b] + j0) * D;
+      if (!c.panel_gemm && !c.v_dec.empty() && c.v_dec[it.b])
+        vblk = c.v_dec[it.b] + (it.h * c.kv_lens[it.b] + j0) * D;
     } else {
       nk = scores(c, it, blk, lo, sc, sblk, vblk);
     }
@@ -655,6 +800,30 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
 #ifdef QFA_SIMD
     if (fused(c, R - lo)) {
       pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
+      done = true;
+    } else if (c.panel_gemm) {
+      // A value that is not finite must reach only the rows that see its key (0 * NaN is NaN):
+      // such a block (rare) runs pv_fused, which sums each row's visible keys; same bits otherwise.
+      const float* slices = nullptr;
+      bool finite;
+      if (!c.v_dec.empty() && c.v_dec[it.b]) {
+        const int64_t at_ = it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk;
+        slices = c.v_dec[it.b] + at_ * BN * D;
+        finite = c.v_finite[it.b][at_] != 0;
+        vblk = nullptr;  // pv_fused decodes the codes
+      } else {
+        finite = decode_rows(c.dec, D, c.v, c.sv, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.v.get());
+        vblk = sc.v.get();
+        if (finite) {
+          to_slices(vblk, nc, sc.vs.get(), BN * kPanel);
+          slices = sc.vs.get();
+        }
+      }
+      if (finite) {
+        pv_panels(sblk, R - lo, BN, slices, BN * kPanel, nc, sc.pv.get());
+      } else {
+        pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
+      }
       done = true;
     }
 #endif
@@ -918,6 +1087,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   c.dscale = static_cast<float>(dscale); c.ln_p = static_cast<float>(ln_p); c.v_descale = static_cast<float>(v_descale);
   c.dec.init(decode_table.data_ptr<float>());
   c.rc = round_consts_of(round_consts);
+#ifdef QFA_SIMD
+  c.panel_gemm = dim == kFusedDim && block_n % kPanel == 0;
+#endif
   const int64_t B = static_cast<int64_t>(q_lens.size());
   const int64_t T = std::max<int64_t>(1, tile_rows / group);  // query positions per tile
 
@@ -943,27 +1115,41 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     std::vector<int64_t> blocks;  // (b, h, block) flattened
     for (int64_t b = 0; b < B; ++b) {
       if (q_lens[b] <= T || kv_lens[b] == 0) continue;
-      const int64_t need = kv_lens[b] * heads_kv * dim * 8;
+      const int64_t nblk_b = (kv_lens[b] + block_n - 1) / block_n;
+      const int64_t per_head = (c.panel_gemm ? nblk_b * block_n : kv_lens[b]) * dim;  // panels: whole blocks
+      const int64_t k_floats = heads_kv * per_head;
+      const int64_t need = 2 * k_floats * 4;
       if (bytes + need > predecode_bytes) continue;
       bytes += need;
-      keep.push_back(at::empty({2, heads_kv, kv_lens[b], dim}, at::kFloat));
+      keep.push_back(at::empty({need / 4}, at::kFloat));
       c.k_dec[b] = keep.back().data_ptr<float>();
-      c.v_dec[b] = c.k_dec[b] + heads_kv * kv_lens[b] * dim;
+      c.v_dec[b] = c.k_dec[b] + k_floats;
       c.v_finite[b].assign(heads_kv * ((kv_lens[b] + block_n - 1) / block_n), 0);
       for (int64_t h = 0; h < heads_kv; ++h)
         for (int64_t j0 = 0; j0 < kv_lens[b]; j0 += block_n) blocks.insert(blocks.end(), {b, h, j0});
     }
     const int64_t nblk = static_cast<int64_t>(blocks.size()) / 3;
     if (nblk) {
-      run_items(nblk, [&](int64_t i, Scratch&) {
-        {
-          const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
-          const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);
-          const int64_t off = (h * kv_lens[b] + j0) * dim;
-          decode_rows(c.dec, dim, c.k, c.sk, b, h, kv_starts[b], j0, j1, c.k_dec[b] + off);
-          c.v_finite[b][h * ((kv_lens[b] + block_n - 1) / block_n) + j0 / block_n] =
-              decode_rows(c.dec, dim, c.v, c.sv, b, h, kv_starts[b], j0, j1, c.v_dec[b] + off);
+      run_items(nblk, [&](int64_t i, Scratch& sc) {
+        const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
+        const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);
+        const int64_t nblk_b = (kv_lens[b] + block_n - 1) / block_n;
+        const int64_t off = (h * kv_lens[b] + j0) * dim;
+#ifdef QFA_SIMD
+        if (c.panel_gemm) {
+          const int64_t at_ = (h * nblk_b + j0 / block_n) * block_n * dim;
+          sc.ensure(1, dim, block_n);
+          decode_rows(c.dec, dim, c.k, c.sk, b, h, kv_starts[b], j0, j1, sc.k.get());
+          to_panels(sc.k.get(), j1 - j0, c.k_dec[b] + at_);
+          c.v_finite[b][h * nblk_b + j0 / block_n] =
+              decode_rows(c.dec, dim, c.v, c.sv, b, h, kv_starts[b], j0, j1, sc.v.get());
+          to_slices(sc.v.get(), j1 - j0, c.v_dec[b] + at_, block_n * kPanel);
+          return;
         }
+#endif
+        decode_rows(c.dec, dim, c.k, c.sk, b, h, kv_starts[b], j0, j1, c.k_dec[b] + off);
+        c.v_finite[b][h * nblk_b + j0 / block_n] =
+            decode_rows(c.dec, dim, c.v, c.sv, b, h, kv_starts[b], j0, j1, c.v_dec[b] + off);
       });
     }
   }
