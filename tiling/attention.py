@@ -34,7 +34,9 @@ from qfa.tiling.attention_checks import (  # noqa: F401  (re-exported: the plan'
     check_mask_mode, check_quant_mode, check_run_tensors, check_scale_values, check_shapes, check_softmax_scale,
     check_unsupported, host_reads_are_free, lse_shape, normalised_strides, paged_strides, resolve_layouts,
 )
-from qfa.tiling.checks import apply_seqused, check_bool, check_sequence_lengths, cumulative_lengths, int32_vector
+from qfa.tiling.checks import (
+    apply_seqused, check_batch_size, check_bool, check_sequence_lengths, cumulative_lengths, int32_vector,
+)
 from qfa.tiling.scaled_checks import check_descale_shapes, check_scaled_run_tensors, check_scaled_values
 from qfa.tiling.spec import HEAD_DIM, HEAD_DIMS, KEY_BLOCK, MaskMode, QuantMode
 
@@ -49,6 +51,8 @@ BLOCK_M = 128
 #: Like BLOCK_M, it does not change the numbers.
 TORCH_TILE_SCORE_ROWS = 2048
 TORCH_TILE_MIN_POSITIONS = 512
+#: Every layout q may have (check_shapes checks the one given against these).
+_ALL_LAYOUTS = tuple(_AXES)
 #: Query tiles one sequence may have along the grid's second axis (CUDA's limit there).
 MAX_QUERY_TILES = 65535
 
@@ -100,6 +104,13 @@ class AttentionMetadata:
     @property
     def out_layout(self) -> str:
         return self.layout_out or self.layout
+
+
+def _check_length_bounds(q_lens, kv_lens, max_seqlen_q: int, max_seqlen_kv: int) -> None:
+    """``max_seqlen_*`` (-1: not given) bound the used lengths (None: not known yet)."""
+    for lens, bound, name in ((q_lens, max_seqlen_q, "max_seqlen_q"), (kv_lens, max_seqlen_kv, "max_seqlen_kv")):
+        if lens is not None and bound != -1 and max(lens, default=0) > bound:
+            raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
 
 
 def _length_signature(**tensors) -> tuple:
@@ -188,9 +199,7 @@ def plan_metadata(
         kv_lens = kv_lens if used_kv is not None else None
     if paged:  # keys live in blocks: no token axis, every sequence's keys start at 0
         kv_starts, total_kv = (0,) * batch if lengths_layout == "TND" else None, None
-    for lens, bound, name in ((q_lens, max_seqlen_q, "max_seqlen_q"), (kv_lens, max_seqlen_kv, "max_seqlen_kv")):
-        if lens is not None and bound != -1 and max(lens, default=0) > bound:
-            raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
+    _check_length_bounds(q_lens, kv_lens, max_seqlen_q, max_seqlen_kv)
     return AttentionMetadata(
         quant_mode=quant_mode, layout=layout, layout_kv=layout_kv, heads_q=num_heads_q, heads_kv=num_heads_kv, head_dim=head_dim,
         mask_mode=mask_mode, batch=batch, q_lens=None if q_lens is None else tuple(q_lens),
@@ -368,7 +377,7 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
     else:
         if block_table is not None:
             check_unsupported(-1, -1, block_table=block_table)
-        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[meta.quant_mode], meta.layout_kv, tuple(_AXES))
+        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[meta.quant_mode], meta.layout_kv, _ALL_LAYOUTS)
         width = 0
     if qs["d"] != meta.head_dim:
         raise ValueError(f"head dim D of q must be the metadata's head_dim ({meta.head_dim}), got {qs['d']}")
@@ -388,8 +397,7 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
         rows = tuple(end - start for start, end in zip(q_starts, ends))
     else:
         batch = qs["b"]
-        if not 0 < batch <= MAX_BATCH:
-            raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
+        check_batch_size(batch, MAX_BATCH)
         if meta.batch is not None and meta.batch != batch:
             raise ValueError(f"batch size of q must equal the metadata's ({meta.batch}), got {batch}")
         seq_q = qs["s"]
@@ -400,11 +408,8 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
             kv_lens = tuple(apply_seqused([ks["s"]] * batch, meta.kv_lens and list(meta.kv_lens), "seqused_kv"))
         q_starts = kv_starts = (0,) * batch
         rows = (seq_q,) * batch
-    if not 0 < batch <= MAX_BATCH:
-        raise ValueError(f"batch size B must be in [1, {MAX_BATCH}], got {batch}")
-    for lens, bound, name in ((q_lens, meta.max_seqlen_q, "max_seqlen_q"), (kv_lens, meta.max_seqlen_kv, "max_seqlen_kv")):
-        if bound != -1 and max(lens, default=0) > bound:
-            raise ValueError(f"{name} must be an upper bound of the used lengths (>= {max(lens)}), got {bound}")
+    check_batch_size(batch, MAX_BATCH)
+    _check_length_bounds(q_lens, kv_lens, meta.max_seqlen_q, meta.max_seqlen_kv)
     seq_kv = max(kv_lens, default=0) if paged or packed else ks["s"]
     out_layout = meta.out_layout
     axes = _AXES[out_layout]
@@ -452,6 +457,42 @@ def check_against_metadata(meta: AttentionMetadata, *, layout: str, mask_mode, c
         if planned != got:
             raise ValueError(f"{name} must be like the one the metadata was planned with "
                              f"({'None' if planned is None else planned}), got {'None' if got is None else got}")
+
+
+#: Plans of calls without length tensors (HiF8, BNSD / BSND, contiguous k/v layout): each decode
+#: step of a model is such a call, with the geometry of the step before. Such a plan is a function
+#: of its key alone (layout, mask, max_seqlen bounds, softmax_scale, return_lse, and each of q, k,
+#: v's shape, strides, dtype and device; never a tensor value), so a hit is the plan the call
+#: would derive. Every check still runs on every call (see :func:`_lengthless_plan`); only the
+#: derivation is skipped. At most PLAN_CACHE_SIZE entries: a new one evicts the oldest.
+PLAN_CACHE_SIZE = 256
+_plan_cache: dict[tuple, AttentionPlan] = {}
+_plan_cache_lock = threading.Lock()
+
+
+def _lengthless_plan(q, k, v, qs: dict, ks: dict, plan_args: dict, bind_args: dict) -> AttentionPlan:
+    """plan_metadata + bind of a call without length tensors, whose static checks
+    (:func:`plan_attention`'s) have passed: the checks of those two that such a call can still
+    fail run here, in their order and with their messages, then the plan comes from the cache
+    (its length bounds checked against it) or is derived (and checked) in full."""
+    mask_mode = check_mask_mode(plan_args["mask_mode"])
+    max_q = _check_max_seqlen(plan_args["max_seqlen_q"], "max_seqlen_q")
+    max_kv = _check_max_seqlen(plan_args["max_seqlen_kv"], "max_seqlen_kv")
+    check_batch_size(qs["b"], MAX_BATCH)
+    softmax_scale = check_softmax_scale(bind_args["softmax_scale"], qs["d"])
+    return_lse = check_bool(bind_args["return_softmax_lse"], "return_softmax_lse")
+    _check_attn_mask(bind_args["attn_mask"], mask_mode)
+    key = (plan_args["layout"], mask_mode, max_q, max_kv, _geometry_key(q, k, v, softmax_scale, return_lse))
+    plan = _plan_cache.get(key)
+    if plan is not None:
+        _check_length_bounds(plan.q_lens, plan.kv_lens, max_q, max_kv)
+        return plan
+    meta = plan_metadata(qs["n"], ks["n"], qs["d"], QuantMode.HIF8_PER_TENSOR, **plan_args)
+    plan = bind(meta, q, k, v, **bind_args)
+    with _plan_cache_lock:
+        while len(_plan_cache) >= PLAN_CACHE_SIZE:
+            del _plan_cache[next(iter(_plan_cache))]
+        return _plan_cache.setdefault(key, plan)
 
 
 def check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale) -> QuantMode:
@@ -507,17 +548,22 @@ def plan_attention(
     if paged:
         qs, ks = _shape_of(q, "q", layout), _paged_shape(k, "k", layout_kv)
     else:
-        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, tuple(_AXES))
+        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, _ALL_LAYOUTS)
     packed = layout in PACKED_LAYOUTS
-    meta = plan_metadata(
-        qs["n"], ks["n"], qs["d"], mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-        seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=None if packed else qs["b"],
-        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask_mode=mask_mode, layout=layout,
-        total_q=qs["s"], total_kv=None if paged else ks["s"], layout_kv=layout_kv, layout_out=layout_out,
-        layout_q_descale=layout_q_descale,
+    plan_args = dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
+        batch_size=None if packed else qs["b"], max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        mask_mode=mask_mode, layout=layout, total_q=qs["s"], total_kv=None if paged else ks["s"],
+        layout_kv=layout_kv, layout_out=layout_out, layout_q_descale=layout_q_descale,
     )
-    plan = bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
-                attn_mask=attn_mask, block_table=block_table)
+    bind_args = dict(softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse, attn_mask=attn_mask,
+                     block_table=block_table)
+    if (mode == QuantMode.HIF8_PER_TENSOR and layout_kv == layout and not packed
+            and layout_q_descale in (None, "BSND") and cu_seqlens_q is None and cu_seqlens_kv is None
+            and seqused_q is None and seqused_kv is None):
+        plan = _lengthless_plan(q, k, v, qs, ks, plan_args, bind_args)
+    else:
+        plan = bind(plan_metadata(qs["n"], ks["n"], qs["d"], mode, **plan_args), q, k, v, **bind_args)
     if paged and (host_reads_are_free(plan.device) or mode != QuantMode.HIF8_PER_TENSOR):
         # A table changes every decode step: on a device it is read only where the scale checks of
         # modes 1 and 6, which read the blocks it names, synchronise anyway.

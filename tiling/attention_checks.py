@@ -57,24 +57,30 @@ _UNSUPPORTED = {
 }
 
 
+# Value -> member lookups for the checks below (called several times per op call: an enum's
+# constructor and a set built per call cost more than the rest of the check).
+_QUANT_MODES = {**{m.value: m for m in QuantMode}, **LEGACY_QUANT_MODES}
+_MASK_MODES = {m.value: m for m in MASK_MODES}
+
+
 def check_quant_mode(quant_mode) -> QuantMode:
     """The mode, from 0 / 1 / 6, a ``QuantMode``, or the legacy 7 (HiF8 per-tensor)."""
     if isinstance(quant_mode, bool) or not isinstance(quant_mode, int):
         raise TypeError(f"quant_mode must be an int or qfa's QuantMode, got {type(quant_mode).__name__} {quant_mode!r}")
-    if quant_mode in LEGACY_QUANT_MODES:
-        return LEGACY_QUANT_MODES[quant_mode]
-    if quant_mode not in {m.value for m in QuantMode}:
+    mode = _QUANT_MODES.get(quant_mode)
+    if mode is None:
         raise ValueError(f"quant_mode must be 0 (HiF8 per-tensor; 7 is its older number), 1 (MXFP8) or 6 (FP8 "
                          f"per-token-head), got {quant_mode!r}")
-    return QuantMode(quant_mode)
+    return mode
 
 
 def check_mask_mode(mask_mode) -> MaskMode:
     if isinstance(mask_mode, bool) or not isinstance(mask_mode, int):
         raise TypeError(f"mask_mode must be an int (0 none, 3 causal), got {type(mask_mode).__name__} {mask_mode!r}")
-    if mask_mode not in MASK_MODES:
+    mode = _MASK_MODES.get(mask_mode)
+    if mode is None:
         raise ValueError(f"mask_mode must be 0 (none) or 3 (causal), got {mask_mode!r}")
-    return MaskMode(mask_mode)
+    return mode
 
 
 class Layouts(NamedTuple):
@@ -110,6 +116,11 @@ def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale=No
     mode = check_quant_mode(quant_mode)
     if mode != QuantMode.HIF8_PER_TENSOR:
         return _resolve_scaled_layouts(mode, layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    if layout_q is None and layout_kv is None and layout_out is None and layout_q_descale is None:
+        # The usual call (``layout`` alone, or nothing): what the rules below give it.
+        resolved = _HIF8_LAYOUTS.get(layout) if layout is None or type(layout) is str else None
+        if resolved is not None:
+            return resolved
     per_operand = {"layout_q": layout_q, "layout_kv": layout_kv, "layout_out": layout_out}
     for name, value in {"layout": layout, **per_operand}.items():
         allowed = LAYOUTS + PAGED_LAYOUTS if name == "layout_kv" else LAYOUTS
@@ -135,6 +146,10 @@ def resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale=No
         raise ValueError(f"layout_q_descale must be 'BSND' in the HiF8 mode (a per-tensor descale), "
                          f"got {layout_q_descale!r}")
     return Layouts(q=chosen, kv=kv, out=chosen, q_descale="BSND")
+
+
+_HIF8_LAYOUTS = {None: Layouts("BNSD", "BNSD", "BNSD", "BSND"),
+                 **{name: Layouts(name, name, name, "BSND") for name in LAYOUTS}}
 
 
 def _resolve_scaled_layouts(mode: QuantMode, layout, layout_q, layout_kv, layout_out, layout_q_descale) -> Layouts:
@@ -188,9 +203,10 @@ def check_unsupported(win_left, win_right, **tensors) -> None:
 
 def _shape_of(t: torch.Tensor, name: str, layout: str) -> dict[str, int]:
     axes = _AXES[layout]
-    if t.dim() != len(axes):
-        raise ValueError(f"{name} must be {len(axes)}-D for layout {layout} ({layout}), got shape {tuple(t.shape)}")
-    return {k: t.shape[i] for k, i in axes.items()}
+    shape = t.shape
+    if len(shape) != len(axes):
+        raise ValueError(f"{name} must be {len(axes)}-D for layout {layout} ({layout}), got shape {tuple(shape)}")
+    return {k: shape[i] for k, i in axes.items()}
 
 
 def lse_shape(q_shape, layout: str) -> tuple[int, ...]:
@@ -237,7 +253,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
         raise ValueError(f"layout must be one of {layouts}, got {layout!r}")
     layout_kv = layout if layout_kv is None else layout_kv
     qs, ks, vs = _shape_of(q, "q", layout), _shape_of(k, "k", layout_kv), _shape_of(v, "v", layout_kv)
-    if tuple(k.shape) != tuple(v.shape):
+    if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     _check_head_dims(head_dims, (qs, "q"), (ks, "k"), (vs, "v"))
     check_heads(qs["n"], ks["n"])
@@ -275,13 +291,16 @@ def _check_attn_mask(attn_mask, mask_mode: MaskMode) -> None:
 
 def check_devices(device: torch.device, named: dict) -> None:
     for name, t in named.items():
-        check_device(t, name, device)
+        if t is not None:
+            check_device(t, name, device)
 
 
 def check_run_tensors(q, k, v, q_descale, k_descale, v_descale, p_scale) -> None:
     """Static checks of one call's tensors (types, dtypes, shapes of the scales): no value read."""
-    q, k, v = (require_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+    operands = ((q, "q"), (k, "k"), (v, "v"))
+    for t, name in operands:
+        require_tensor(t, name)
+    for t, name in operands:
         check_codes(t, name)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one HiF8 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -315,7 +334,10 @@ def check_scale_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_s
     named = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if p_scale is not None:
         named["p_scale"] = p_scale
-    values = dict(zip(named, torch.cat(list(named.values())).tolist()))
+    if host_reads_are_free(plan.device):  # one read each: cheaper than the concatenation on the CPU
+        values = {name: t.tolist()[0] for name, t in named.items()}
+    else:  # one synchronisation for all four
+        values = dict(zip(named, torch.cat(list(named.values())).tolist()))
     for name in ("q_descale", "k_descale", "v_descale"):
         if not (math.isfinite(values[name]) and values[name] > 0):
             raise ValueError(f"{name} must be a finite value > 0, got {values[name]:g}")

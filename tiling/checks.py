@@ -49,7 +49,7 @@ def check_scalar_fp32(value, name: str) -> torch.Tensor:
     require_tensor(value, name)
     if value.dtype != torch.float32:
         raise TypeError(f"{name} must be torch.float32, got {value.dtype}")
-    if tuple(value.shape) != (1,):
+    if value.shape != (1,):
         raise ValueError(f"{name} must have shape (1,), got {tuple(value.shape)}")
     return value
 
@@ -143,12 +143,17 @@ def check_sequence_lengths(layout: str, *, batch: int | None = None, device: tor
             if named[name] is not None and batch is None:
                 t = require_tensor(named[name], name)
                 batch = t.shape[0] if t.dim() == 1 else None
-    if max_batch is not None and batch is not None and not 0 < batch <= max_batch:
-        raise ValueError(f"batch size B must be in [1, {max_batch}], got {batch}")
+    if max_batch is not None and batch is not None:
+        check_batch_size(batch, max_batch)
     for name in ("seqused_q", "seqused_kv"):
         if named[name] is not None:
             check_int32_vector(named[name], name, batch)
     return batch
+
+
+def check_batch_size(batch: int, max_batch: int) -> None:
+    if not 0 < batch <= max_batch:
+        raise ValueError(f"batch size B must be in [1, {max_batch}], got {batch}")
 
 
 def cumulative_lengths(cu: list[int], name: str, total: int | None) -> list[int]:

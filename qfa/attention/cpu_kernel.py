@@ -43,7 +43,9 @@ kernel off.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import struct
 import threading
 import warnings
 from pathlib import Path
@@ -152,6 +154,31 @@ def _round_consts() -> list[int]:
 
 
 _ROUND_CONSTS = _round_consts()
+_FP32 = struct.Struct("f")
+_table: torch.Tensor | None = None
+
+
+def round_fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 (ties to even; beyond FLT_MAX's rounding range, inf), as
+    a Python float."""
+    try:
+        return _FP32.unpack(_FP32.pack(x))[0]
+    except OverflowError:  # struct refuses a finite x that rounds to inf
+        return math.copysign(math.inf, x)
+
+
+def dscale_of(q_descale: float, k_descale: float, softmax_scale: float) -> float:
+    """The torch path's ``(q_descale * k_descale) * softmax_scale`` on fp32 tensors, from the
+    descales' values: fp32 times fp32 is exact in a double, so one rounding gives the fp32
+    product, and torch rounds a Python scalar to the tensor's fp32 before multiplying."""
+    return round_fp32(round_fp32(q_descale * k_descale) * round_fp32(softmax_scale))
+
+
+def _decode_table() -> torch.Tensor:
+    global _table
+    if _table is None:
+        _table = luts.decode_lut(torch.float32).view(torch.float32)
+    return _table
 
 
 def forward(
@@ -162,9 +189,12 @@ def forward(
     out = torch.zeros(q.shape, dtype=torch.bfloat16, device=q.device)
     if plan.return_lse:
         lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), dtype=torch.float32, device=q.device)
+        lse_strides = plan.lse_strides  # the contiguous lse's, as the plan derived them
     else:
         lse = torch.empty(0, dtype=torch.float32, device=q.device)
-    run_into(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, lse)
+        lse_strides = (0, 0, 0)
+    _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
+         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS)
     return out, lse
 
 
@@ -172,21 +202,27 @@ def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_sc
              split_rows: int = SPLIT_ROWS, chunk_blocks: int = CHUNK_BLOCKS, tile_rows: int = TILE_ROWS) -> None:
     """Write every row the batches own (q_lens of them) into ``out`` / ``lse``; rows past them
     are left as they are (``forward`` allocates them as 0 / +inf)."""
+    lse_strides = (0, 0, 0)
+    if lse.numel():
+        lse_strides = (0, *lse.stride()) if plan.layout == "TND" else lse.stride()
+    _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, normalised_strides(out, plan.layout), lse,
+         lse_strides, split_rows, chunk_blocks, tile_rows)
+
+
+def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
+         lse_strides, split_rows: int, chunk_blocks: int, tile_rows: int) -> None:
+    """``run_into`` with out's normalised strides and lse's (batch, head, position) strides given."""
     if q.device.type != "cpu":
         raise ValueError(f"q must be on the CPU for the native kernel, got {q.device}")
     if not available():
         raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.cpu_kernel.available)")
-    # The scalars as the torch path forms them (fp32 tensor ops), then read exactly.
-    dscale = float((q_descale * k_descale) * plan.softmax_scale)
-    ln_p = float(torch.log(p_scale)) if p_scale is not None else 0.0
-    lse_strides = [0, 0, 0]
-    if lse.numel():
-        lse_strides = [0, *lse.stride()] if plan.layout == "TND" else list(lse.stride())
-    strides = [*plan.strides_q, *plan.strides_kv, *plan.strides_v]
-    table = luts.decode_lut(torch.float32).view(torch.float32)
+    # The scalars the torch path forms with fp32 tensor ops, bit for bit (see dscale_of).
+    dscale = dscale_of(q_descale.item(), k_descale.item(), plan.softmax_scale)
+    ln_p = torch.log(p_scale).item() if p_scale is not None else 0.0
+    # Sequences of ints go over as the std::vector<int64_t> arguments (tuples as well as lists).
     _module.forward(
-        q, k, v, strides, out, list(normalised_strides(out, plan.layout)), lse, lse_strides,
-        plan.heads_kv, plan.group, plan.head_dim, plan.block_n, list(plan.q_starts), list(plan.kv_starts),
-        list(plan.q_lens), list(plan.kv_lens), bool(plan.causal), dscale, ln_p, float(v_descale), table,
+        q, k, v, (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, out_strides, lse, lse_strides,
+        plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
+        plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale.item(), _decode_table(),
         _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES,
     )

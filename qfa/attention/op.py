@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from qfa import backends
-from qfa.attention import nz_layout, paged
+from qfa.attention import cpu_kernel, nz_layout, paged, torch_path
 from qfa.cast.api import as_codes
 from qfa.tiling import attention as tiling
 from qfa.tiling.attention import AttentionMetadata, AttentionPlan, plan_attention
@@ -180,8 +180,10 @@ def quant_flash_attn(
             return _scaled_backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale,
                                                           block_table=block_table)
     q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
+    kernel = _backend(plan, backend)
+    if kernel is cpu_kernel and not plan.paged:  # reads the descales' values, builds no graph: no no_grad
+        return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
     with torch.no_grad():  # an inference op: a descale that requires grad must not build a graph
-        kernel = _backend(plan, backend)
         if not plan.paged:
             return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
         if not getattr(kernel, "READS_PAGED_KV", False):  # contiguous K/V only: gather the blocks' codes
@@ -193,11 +195,10 @@ def quant_flash_attn(
 def _backend(plan: AttentionPlan, requested: str | None):
     if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import attention as kernel
-    else:  # the native CPU kernel where it builds, else the pure-torch path (same contract)
-        from qfa.attention import cpu_kernel, torch_path
-        native = plan.device.type == "cpu" and cpu_kernel.available()
-        kernel = cpu_kernel if native else torch_path
-    return kernel
+
+        return kernel
+    # the native CPU kernel where it builds, else the pure-torch path (same contract)
+    return cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() else torch_path
 
 
 def _scaled_backend(plan: AttentionPlan, requested: str | None):
