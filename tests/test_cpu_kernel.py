@@ -361,3 +361,24 @@ def test_kernel_rounding_of_p_is_the_table_bit_for_bit():
             for start, stop in ((0, 1 << 16), (3, (1 << 16) - 2), (5, 12)):
                 got = mod.round_p(x[start:stop].view(torch.float32), cpu_kernel._ROUND_CONSTS, simd)
                 assert torch.equal(got.view(torch.int32), want[start:stop]), (simd, start, stop)
+
+
+@needs_kernel
+@pytest.mark.parametrize("q_len", [20, 300], ids=["decoded-per-block", "predecoded"])
+def test_nan_value_in_a_many_row_block_poisons_as_in_the_torch_path(q_len, monkeypatch):
+    """Blocks of more than 16 rows run the register-tiled GEMMs; a block holding a NaN value
+    takes the per-row path instead, whether its V was decoded for the call (prefill, several
+    tiles) or per block (one tile): the NaN pattern is the torch path's, the rest agrees."""
+    monkeypatch.setenv("QFA_COMPILE", "0")
+    plan, args = make(4, 1, (q_len,), (600,), causal=True, seed=4)
+    v = args[2].clone()
+    v[0, 0, 595, 3] = 0x80
+    args = (args[0], args[1], v, *args[3:])
+    out, lse = cpu_kernel.forward(plan, *args)
+    want_out, want_lse = torch_path.forward(plan, *args)
+    nan = torch.isnan(want_out)
+    assert nan.any() and torch.equal(torch.isnan(out), nan)
+    keep = ~nan.any(dim=-1, keepdim=True).expand_as(nan)
+    check_against_reference(torch.where(keep, out, 0), lse, torch.where(keep, want_out, 0).to(torch.float64).numpy(),
+                            want_lse.numpy(), v_max((args[0], args[1], args[2].masked_fill(args[2] == 0x80, 0),
+                                                     *args[3:])), plan.return_lse)
