@@ -341,8 +341,9 @@ def _geometry_key(q, k, v, softmax_scale: float, return_lse: bool, block_table=N
         table = (tuple(block_table.shape), block_table.stride(), block_table.dtype, block_table.device)
     elif block_table is not None:
         table = type(block_table)
-    return (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), q.dtype, q.device,
-            softmax_scale, return_lse, table)
+    # torch.Size is a tuple (equal and hashing alike): no conversion
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, softmax_scale,
+            return_lse, table)
 
 
 def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax_lse: bool = False,
@@ -470,25 +471,28 @@ _plan_cache: dict[tuple, AttentionPlan] = {}
 _plan_cache_lock = threading.Lock()
 
 
-def _lengthless_plan(q, k, v, qs: dict, ks: dict, plan_args: dict, bind_args: dict) -> AttentionPlan:
-    """plan_metadata + bind of a call without length tensors, whose static checks
-    (:func:`plan_attention`'s) have passed: the checks of those two that such a call can still
-    fail run here, in their order and with their messages, then the plan comes from the cache
-    (its length bounds checked against it) or is derived (and checked) in full."""
-    mask_mode = check_mask_mode(plan_args["mask_mode"])
-    max_q = _check_max_seqlen(plan_args["max_seqlen_q"], "max_seqlen_q")
-    max_kv = _check_max_seqlen(plan_args["max_seqlen_kv"], "max_seqlen_kv")
+def _lengthless_plan(q, k, v, qs: dict, ks: dict, layout: str, mask_mode, max_seqlen_q, max_seqlen_kv,
+                     softmax_scale, return_softmax_lse, attn_mask) -> AttentionPlan:
+    """plan_metadata + bind of a HiF8 call without length tensors (BNSD / BSND, k/v in q's
+    layout), whose :func:`plan_attention` checks have passed: the checks of those two that such a
+    call can still fail run here, in their order and with their messages, then the plan comes
+    from the cache (its length bounds checked against it) or is derived (and checked) in full."""
+    mask = check_mask_mode(mask_mode)
+    max_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_kv = _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
     check_batch_size(qs["b"], MAX_BATCH)
-    softmax_scale = check_softmax_scale(bind_args["softmax_scale"], qs["d"])
-    return_lse = check_bool(bind_args["return_softmax_lse"], "return_softmax_lse")
-    _check_attn_mask(bind_args["attn_mask"], mask_mode)
-    key = (plan_args["layout"], mask_mode, max_q, max_kv, _geometry_key(q, k, v, softmax_scale, return_lse))
+    scale = check_softmax_scale(softmax_scale, qs["d"])
+    return_lse = check_bool(return_softmax_lse, "return_softmax_lse")
+    _check_attn_mask(attn_mask, mask)
+    key = (layout, mask, max_q, max_kv, _geometry_key(q, k, v, scale, return_lse))
     plan = _plan_cache.get(key)
     if plan is not None:
         _check_length_bounds(plan.q_lens, plan.kv_lens, max_q, max_kv)
         return plan
-    meta = plan_metadata(qs["n"], ks["n"], qs["d"], QuantMode.HIF8_PER_TENSOR, **plan_args)
-    plan = bind(meta, q, k, v, **bind_args)
+    meta = plan_metadata(qs["n"], ks["n"], qs["d"], QuantMode.HIF8_PER_TENSOR, batch_size=qs["b"],
+                         max_seqlen_q=max_q, max_seqlen_kv=max_kv, mask_mode=mask, layout=layout, total_q=qs["s"],
+                         total_kv=ks["s"], layout_kv=layout)
+    plan = bind(meta, q, k, v, softmax_scale=scale, return_softmax_lse=return_lse, attn_mask=attn_mask)
     with _plan_cache_lock:
         while len(_plan_cache) >= PLAN_CACHE_SIZE:
             del _plan_cache[next(iter(_plan_cache))]
@@ -550,20 +554,21 @@ def plan_attention(
     else:
         qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, _ALL_LAYOUTS)
     packed = layout in PACKED_LAYOUTS
-    plan_args = dict(
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
-        batch_size=None if packed else qs["b"], max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-        mask_mode=mask_mode, layout=layout, total_q=qs["s"], total_kv=None if paged else ks["s"],
-        layout_kv=layout_kv, layout_out=layout_out, layout_q_descale=layout_q_descale,
-    )
-    bind_args = dict(softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse, attn_mask=attn_mask,
-                     block_table=block_table)
-    if (mode == QuantMode.HIF8_PER_TENSOR and layout_kv == layout and not packed
+    if (mode is QuantMode.HIF8_PER_TENSOR and layout_kv == layout and not packed
             and layout_q_descale in (None, "BSND") and cu_seqlens_q is None and cu_seqlens_kv is None
             and seqused_q is None and seqused_kv is None):
-        plan = _lengthless_plan(q, k, v, qs, ks, plan_args, bind_args)
+        plan = _lengthless_plan(q, k, v, qs, ks, layout, mask_mode, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                                return_softmax_lse, attn_mask)
     else:
-        plan = bind(plan_metadata(qs["n"], ks["n"], qs["d"], mode, **plan_args), q, k, v, **bind_args)
+        meta = plan_metadata(
+            qs["n"], ks["n"], qs["d"], mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+            seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=None if packed else qs["b"],
+            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask_mode=mask_mode, layout=layout,
+            total_q=qs["s"], total_kv=None if paged else ks["s"], layout_kv=layout_kv, layout_out=layout_out,
+            layout_q_descale=layout_q_descale,
+        )
+        plan = bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
+                    attn_mask=attn_mask, block_table=block_table)
     if paged and (host_reads_are_free(plan.device) or mode != QuantMode.HIF8_PER_TENSOR):
         # A table changes every decode step: on a device it is read only where the scale checks of
         # modes 1 and 6, which read the blocks it names, synchronise anyway.

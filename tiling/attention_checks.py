@@ -48,6 +48,8 @@ P8_OVERSHOOT = 1.25
 # Positions of (batch, seq, head, dim) in each layout's shape; TND has no batch axis.
 _AXES = {"BNSD": {"b": 0, "n": 1, "s": 2, "d": 3}, "BSND": {"b": 0, "s": 1, "n": 2, "d": 3}, "TND": {"s": 0, "n": 1, "d": 2},
          "NTD": {"n": 0, "s": 1, "d": 2}}
+#: Each layout's axis names in the order of its shape.
+_AXIS_NAMES = {layout: tuple(sorted(axes, key=axes.__getitem__)) for layout, axes in _AXES.items()}
 #: Layouts whose token axis packs every sequence (cu_seqlens gives the segments; no batch axis).
 PACKED_LAYOUTS = ("TND", "NTD")
 #: Arguments that upstream has and this mode does not support yet: (name, value meaning "unused").
@@ -202,11 +204,11 @@ def check_unsupported(win_left, win_right, **tensors) -> None:
 
 
 def _shape_of(t: torch.Tensor, name: str, layout: str) -> dict[str, int]:
-    axes = _AXES[layout]
+    names = _AXIS_NAMES[layout]
     shape = t.shape
-    if len(shape) != len(axes):
-        raise ValueError(f"{name} must be {len(axes)}-D for layout {layout} ({layout}), got shape {tuple(shape)}")
-    return {k: shape[i] for k, i in axes.items()}
+    if len(shape) != len(names):
+        raise ValueError(f"{name} must be {len(names)}-D for layout {layout} ({layout}), got shape {tuple(shape)}")
+    return dict(zip(names, shape))
 
 
 def lse_shape(q_shape, layout: str) -> tuple[int, ...]:
@@ -270,8 +272,8 @@ def _check_head_dims(head_dims: tuple[int, ...], *shapes) -> None:
         if shape["d"] not in head_dims:
             expected = head_dims[0] if len(head_dims) == 1 else f"one of {head_dims}"
             raise ValueError(f"head dim D of {name} must be {expected}, got {shape['d']}")
-    (first, first_name), *rest = shapes
-    for shape, name in rest:
+    first, first_name = shapes[0]
+    for shape, name in shapes[1:]:
         if shape["d"] != first["d"]:
             raise ValueError(f"head dim D of {name} must equal {first_name}'s ({first['d']}), got {shape['d']}")
 
@@ -331,17 +333,16 @@ def check_scale_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_s
     """
     if plan.device.type == "meta":
         return
-    named = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    if p_scale is not None:
-        named["p_scale"] = p_scale
+    scales = (q_descale, k_descale, v_descale) if p_scale is None else (q_descale, k_descale, v_descale, p_scale)
     if host_reads_are_free(plan.device):  # one read each: cheaper than the concatenation on the CPU
-        values = {name: t.tolist()[0] for name, t in named.items()}
+        read = [t.tolist()[0] for t in scales]
     else:  # one synchronisation for all four
-        values = dict(zip(named, torch.cat(list(named.values())).tolist()))
-    for name in ("q_descale", "k_descale", "v_descale"):
-        if not (math.isfinite(values[name]) and values[name] > 0):
-            raise ValueError(f"{name} must be a finite value > 0, got {values[name]:g}")
-    p = values.get("p_scale", 1.0)
+        read = torch.cat(scales).tolist()
+    values = {"q_descale": read[0], "k_descale": read[1], "v_descale": read[2]}
+    for name, value in values.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite value > 0, got {value:g}")
+    p = read[3] if p_scale is not None else 1.0
     if not (math.isfinite(p) and P_SCALE_RANGE[0] <= p <= P_SCALE_RANGE[1]):
         raise ValueError(f"p_scale must be in [2^-15, 2^15] = [{P_SCALE_RANGE[0]:g}, {P_SCALE_RANGE[1]:g}] (HiF8's "
                          f"normal binades: P lies in (0, p_scale]), got {p:g}")

@@ -33,7 +33,7 @@ def check_codes(value, name: str) -> torch.Tensor:
     """A tensor of HiF8 codes (uint8, or torch_npu.hifloat8), or a TypeError naming ``name``."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of HiF8 codes, got {type(value).__name__}")
-    if value.dtype not in hifloat8_dtypes():
+    if value.dtype != torch.uint8 and value.dtype not in hifloat8_dtypes():
         raise TypeError(f"{name} must hold HiF8 codes as torch.uint8 (or torch_npu.hifloat8), got {value.dtype}")
     return value
 

@@ -184,17 +184,20 @@ def _decode_table() -> torch.Tensor:
 def forward(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
+    *, known_available: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor), as torch_path."""
-    out = torch.zeros(q.shape, dtype=torch.bfloat16, device=q.device)
+    """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor), as torch_path.
+    ``known_available``: the caller has just seen :func:`available` say True (the op has)."""
+    device = q.device
+    out = torch.zeros(q.shape, dtype=torch.bfloat16, device=device)
     if plan.return_lse:
-        lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), dtype=torch.float32, device=device)
         lse_strides = plan.lse_strides  # the contiguous lse's, as the plan derived them
     else:
-        lse = torch.empty(0, dtype=torch.float32, device=q.device)
+        lse = torch.empty(0, dtype=torch.float32, device=device)
         lse_strides = (0, 0, 0)
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
-         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS)
+         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available)
     return out, lse
 
 
@@ -206,15 +209,16 @@ def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_sc
     if lse.numel():
         lse_strides = (0, *lse.stride()) if plan.layout == "TND" else lse.stride()
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, normalised_strides(out, plan.layout), lse,
-         lse_strides, split_rows, chunk_blocks, tile_rows)
+         lse_strides, split_rows, chunk_blocks, tile_rows, q.device, False)
 
 
 def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
-         lse_strides, split_rows: int, chunk_blocks: int, tile_rows: int) -> None:
+         lse_strides, split_rows: int, chunk_blocks: int, tile_rows: int, device: torch.device,
+         known_available: bool) -> None:
     """``run_into`` with out's normalised strides and lse's (batch, head, position) strides given."""
-    if q.device.type != "cpu":
-        raise ValueError(f"q must be on the CPU for the native kernel, got {q.device}")
-    if not available():
+    if device.type != "cpu":
+        raise ValueError(f"q must be on the CPU for the native kernel, got {device}")
+    if not (known_available and _module is not None) and not available():
         raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.cpu_kernel.available)")
     # The scalars the torch path forms with fp32 tensor ops, bit for bit (see dscale_of).
     dscale = dscale_of(q_descale.item(), k_descale.item(), plan.softmax_scale)

@@ -179,10 +179,11 @@ def quant_flash_attn(
         with torch.no_grad():
             return _scaled_backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale,
                                                           block_table=block_table)
-    q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
+    if q.dtype != torch.uint8:  # the plan checked that q, k and v share one HiF8 dtype
+        q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
     kernel = _backend(plan, backend)
     if kernel is cpu_kernel and not plan.paged:  # reads the descales' values, builds no graph: no no_grad
-        return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
+        return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, known_available=True)
     with torch.no_grad():  # an inference op: a descale that requires grad must not build a graph
         if not plan.paged:
             return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)
