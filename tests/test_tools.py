@@ -220,3 +220,12 @@ def test_bench_rows_of_the_other_modes_time_the_same_attention(mode, batch, sq, 
     out = fns["qfa"]()[0].float().view(batch, sq, 4, 128).transpose(1, 2)
     ref = fns["fp32"]()
     assert out.shape == ref.shape and float((out - ref).norm() / ref.norm()) < 2.0**-4
+
+
+def test_gemm_load_reference_is_the_gemms_busy_over_quiet_time(fake_clock):
+    # measure() times the GEMM and a no-op quiet, then both again beside the busy loop: four timings.
+    fake_clock({1: (0.2, 0.01, 0.3), 2: (0.01, 0.0, 0.0)}, [1, 2])
+    ratio = bench_attention.gemm_load_reference()
+    assert ratio == pytest.approx(1.5)
+    line = bench_attention.load_reference_line(ratio)
+    assert "1.50x its quiet time with one core busy" in line and f"{bench_attention.REFERENCE_GEMM}^3" in line

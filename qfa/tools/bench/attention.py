@@ -237,6 +237,28 @@ def load_verdict(ratios: Sequence[float]) -> str:
                     LOAD_TARGET_RATIO, ratios, "load_verdict")
 
 
+#: The --load reference: a plain fp32 GEMM of this size on torch's threads.
+REFERENCE_GEMM = 1024
+
+
+def gemm_load_reference() -> float:
+    """Busy / quiet time of a plain fp32 GEMM on torch's threads, beside the rows under --load.
+
+    It keeps every thread busy with no synchronisation to speak of, so its ratio is what one
+    busy core costs any compute-bound call on this machine: the scheduler shares the cores
+    among runnable threads, so on 2 cores a 2-thread call beside one busy process gets about
+    4/3 of a core each second, near 1.5x its quiet time."""
+    a = torch.randn(REFERENCE_GEMM, REFERENCE_GEMM)
+    b = torch.randn(REFERENCE_GEMM, REFERENCE_GEMM)
+    quiet, busy = measure({"qfa": lambda: torch.mm(a, b), "fp32": lambda: None}, load=True)
+    return busy["qfa"] / quiet["qfa"]
+
+
+def load_reference_line(ratio: float) -> str:
+    return (f"reference: a {REFERENCE_GEMM}^3 fp32 GEMM on {torch.get_num_threads()} threads takes {ratio:.2f}x its "
+            f"quiet time with one core busy (what the busy core costs a call that keeps every core busy)")
+
+
 _BUSY_LOOP = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
 
@@ -356,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + decode_verdict(decode_ratios))
     if load_ratios:
         print(load_verdict(load_ratios))
+        print(load_reference_line(gemm_load_reference()))
     if mode != 0 and (args.memory_seq or args.accuracy_seq):
         print("\nthe memory and accuracy runs are the HiF8 mode's (quant_mode 0): skipped; for the formats' accuracy "
               "see eval-ppl --attn qfa_hif8,qfa_mxfp8,qfa_fp8")
