@@ -192,7 +192,7 @@ def forward(
     out = torch.zeros(q.shape, dtype=torch.bfloat16, device=device)
     if plan.return_lse:
         lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), dtype=torch.float32, device=device)
-        lse_strides = plan.lse_strides  # the contiguous lse's, as the plan derived them
+        lse_strides = plan.lse_strides if lse.numel() else (0, 0, 0)  # the contiguous lse's, as planned
     else:
         lse = torch.empty(0, dtype=torch.float32, device=device)
         lse_strides = (0, 0, 0)
