@@ -544,7 +544,10 @@ def plan_attention(
             raise ValueError("layout_kv PA_NZ must be converted to PA_BNBD before planning "
                              "(qfa.attention.nz_layout.to_bnbd; quant_flash_attn does it)")
     paged = layout_kv in PAGED_LAYOUTS
-    check_unsupported(win_left, win_right, sinks=sinks, **({} if paged else {"block_table": block_table}))
+    if paged:
+        check_unsupported(win_left, win_right, sinks=sinks)
+    else:
+        check_unsupported(win_left, win_right, sinks=sinks, block_table=block_table)
     check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                              "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
                              "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,

@@ -338,27 +338,26 @@ def check_scale_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_s
         read = [t.tolist()[0] for t in scales]
     else:  # one synchronisation for all four
         read = torch.cat(scales).tolist()
-    values = {"q_descale": read[0], "k_descale": read[1], "v_descale": read[2]}
-    for name, value in values.items():
+    q, k, v = read[0], read[1], read[2]
+    for name, value in (("q_descale", q), ("k_descale", k), ("v_descale", v)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite value > 0, got {value:g}")
     p = read[3] if p_scale is not None else 1.0
     if not (math.isfinite(p) and P_SCALE_RANGE[0] <= p <= P_SCALE_RANGE[1]):
         raise ValueError(f"p_scale must be in [2^-15, 2^15] = [{P_SCALE_RANGE[0]:g}, {P_SCALE_RANGE[1]:g}] (HiF8's "
                          f"normal binades: P lies in (0, p_scale]), got {p:g}")
-    dscale = plan.softmax_scale * values["q_descale"] * values["k_descale"]
+    dscale = plan.softmax_scale * q * k
     if dscale > MAX_DSCALE:
         raise ValueError(f"softmax_scale * q_descale * k_descale must be <= {MAX_DSCALE:.3g} (beyond it the scaled "
-                         f"HiF8 scores overflow fp32), got {dscale:.3g} = {plan.softmax_scale:g} * "
-                         f"{values['q_descale']:g} * {values['k_descale']:g}")
+                         f"HiF8 scores overflow fp32), got {dscale:.3g} = {plan.softmax_scale:g} * {q:g} * {k:g}")
     if dscale == 0:
-        raise ValueError(f"softmax_scale * q_descale * k_descale underflows to 0 ({plan.softmax_scale:g} * "
-                         f"{values['q_descale']:g} * {values['k_descale']:g})")
-    max_v = FP32_MAX / (P8_OVERSHOOT * fmt.MAX * max(max(plan.kv_lens, default=1), 1) * p)
-    if values["v_descale"] > max_v:
+        raise ValueError(f"softmax_scale * q_descale * k_descale underflows to 0 ({plan.softmax_scale:g} * {q:g} * "
+                         f"{k:g})")
+    max_kv = max(plan.kv_lens, default=0)
+    max_v = FP32_MAX / (P8_OVERSHOOT * fmt.MAX * max(max_kv, 1) * p)
+    if v > max_v:
         raise ValueError(f"v_descale must be <= {max_v:.3g} for this call (FLT_MAX / (1.25 * 32768 * max Skv "
-                         f"{max(plan.kv_lens, default=0)} * p_scale {p:g}): beyond it P @ V * v_descale can "
-                         f"overflow fp32), got {values['v_descale']:g}")
+                         f"{max_kv} * p_scale {p:g}): beyond it P @ V * v_descale can overflow fp32), got {v:g}")
 
 
 def _paged_shape(t: torch.Tensor, name: str, layout_kv: str) -> dict[str, int]:
