@@ -341,12 +341,16 @@ def test_forward_hands_the_kernel_the_strides_run_into_derives(monkeypatch):
                     cu_seqlens_kv=torch.tensor([0, 11, 20], dtype=torch.int32))
     cases = [("BNSD", (2, 4, 3, D), (2, 2, 9, D), {}), ("BSND", (1, 5, 8, D), (1, 7, 4, D), {}),
              ("BNSD", (1, 12, 1, D), (1, 2, 1, D), {}), ("BSND", (1, 0, 4, D), (1, 3, 2, D), {}),
-             ("TND", (9, 4, D), (20, 2, D), tnd_lens)]
-    for layout, q_shape, kv_shape, lens in cases:
+             ("TND", (9, 4, D), (20, 2, D), tnd_lens), ("strided", (2, 4, 3, D), (2, 2, 9, D), {})]
+    for name, q_shape, kv_shape, lens in cases:
+        layout = "BNSD" if name == "strided" else name
         for lse in (True, False):
             q, k, v = codes(*q_shape), codes(*kv_shape, seed=1), codes(*kv_shape, seed=2)
+            if name == "strided":  # q not contiguous: the outputs still are
+                q = _bsnd_view_as_bnsd(q)
             plan = tiling.plan_attention(q, k, v, *scales(), 0, layout=layout, return_softmax_lse=lse, **lens)
             out, lse_t = cpu_kernel.forward(plan, q, k, v, *scales(), None)
+            assert out.is_contiguous() and tiling.normalised_strides(out, layout) == plan.out_strides
             out2 = torch.zeros(q.shape, dtype=torch.bfloat16)
             lse2 = torch.full(plan.lse_shape, math.inf) if lse else torch.empty(0)
             cpu_kernel.run_into(plan, q, k, v, *scales(), None, out2, lse2)
