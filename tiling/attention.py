@@ -15,8 +15,10 @@ FlashInfer's plan / run split have:
   synchronisation), cached in the metadata per tensor geometry, so a repeated call reuses the
   same plan object (and its device-side length table).
 
-:func:`plan_attention` does both for a one-off call. The :class:`AttentionPlan` is all that the
-torch path and the Triton kernel consume; neither re-derives shapes, lengths or block sizes.
+:func:`plan_attention` does both for a one-off call; a call without length tensors (a decode
+step) reuses the plan of an earlier call of the same geometry (``_plan_cache``), its checks
+still run in full. The :class:`AttentionPlan` is all that the torch path and the Triton kernel
+consume; neither re-derives shapes, lengths or block sizes.
 """
 
 from __future__ import annotations

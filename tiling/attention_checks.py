@@ -318,7 +318,8 @@ def host_reads_are_free(device: torch.device) -> bool:
 
 
 def check_scale_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_scale) -> None:
-    """The scales' values against the ranges the numerics handle (one host read of 4 floats).
+    """The scales' values against the ranges the numerics handle (a host read of up to 4 floats:
+    one synchronisation on a device; on the CPU, where reads are free, one read per scale).
 
     Outside these ranges the op would return a silent wrong answer, so they are errors:
 
