@@ -49,6 +49,9 @@ BUDGET_CASES = {
     "B2-skv-lt-sq-bsnd": dict(nq=6, nkv=2, q_lens=(200, 130), kv_lens=(90, 17), layout="BSND", causal=True),
     "B2-skv-gt-sq-bnsd": dict(nq=5, nkv=1, q_lens=(70, 61), kv_lens=(530, 300), causal=True),
     "B3-noncausal-empty-tnd": dict(nq=4, nkv=1, q_lens=(90, 0, 77), kv_lens=(300, 10, 0), layout="TND"),
+    # Tiles of 32 positions: the last one (16 positions, 128 rows) is split, and reads the
+    # predecoded panels and slices through pass 1's kept scores.
+    "split-last-tile-of-a-predecoded-batch": dict(nq=8, nkv=1, q_lens=(48, 48), kv_lens=(1500, 700), causal=True),
 }
 
 
@@ -66,8 +69,10 @@ def test_predecode_budget_changes_no_bit(name, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(32, 4, (16,), (2000,), False), (24, 2, (10, 3), (1500, 1300), True),
-                                   (8, 1, (33,), (3000,), True), (8, 2, (2,), (1100,), False)],
-                         ids=["128-rows", "B2-60-and-36-rows-causal", "short-last-tile-causal", "8-rows"])
+                                   (8, 1, (33,), (3000,), True), (8, 1, (48,), (1500,), False),
+                                   (8, 2, (2,), (1100,), False)],
+                         ids=["128-rows", "B2-60-and-36-rows-causal", "short-last-tile-causal",
+                              "predecoded-128-row-last-tile", "8-rows"])
 def test_score_store_budget_changes_no_bit(shape, monkeypatch):
     """Split items of more than 16 rows (panel GEMMs, pass 1 writing whole 16-column panels
     into the kept score store) and of at most 16: recomputing the scores in pass 2 gives the
