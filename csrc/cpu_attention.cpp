@@ -168,7 +168,9 @@ using Buffer = std::unique_ptr<float, FreeDeleter>;
 
 Buffer alloc(int64_t n) {
   const size_t bytes = ((static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float) + 63) / 64) * 64;
-  return Buffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
+  float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
+  TORCH_CHECK(p != nullptr, "qfa native attention: out of memory allocating ", bytes, " bytes of scratch");
+  return Buffer(p);
 }
 
 // ---- HiF8 decode ------------------------------------------------------------------------------
