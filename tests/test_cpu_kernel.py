@@ -382,3 +382,21 @@ def test_nan_value_in_a_many_row_block_poisons_as_in_the_torch_path(q_len, monke
     check_against_reference(torch.where(keep, out, 0), lse, torch.where(keep, want_out, 0).to(torch.float64).numpy(),
                             want_lse.numpy(), v_max((args[0], args[1], args[2].masked_fill(args[2] == 0x80, 0),
                                                      *args[3:])), plan.return_lse)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["seqused-bnsd-causal", "tnd-gqa4-causal-empty"])
+def test_forward_fills_the_rows_no_batch_owns(name, monkeypatch):
+    """forward allocates out / lse unfilled and the kernel sets them to 0 / +inf first: with the
+    allocation poisoned (NaN), the result is the bits of a call into 0 / +inf-filled outputs."""
+    plan, args = make(**CASES[name])
+    want_out = torch.zeros(args[0].shape, dtype=torch.bfloat16)
+    want_lse = torch.full(tuple(plan.lse_shape), math.inf)
+    cpu_kernel.run_into(plan, *args, want_out, want_lse)
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(math.nan))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: real_empty_like(*a, **kw).fill_(math.nan))
+    out, lse = cpu_kernel.forward(plan, *args)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), want_lse.view(torch.int32))
+    assert (out == 0).all(dim=-1).any() and torch.isinf(lse).any()  # the case has rows no batch owns

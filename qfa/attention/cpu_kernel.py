@@ -199,17 +199,18 @@ def forward(
     """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor), as torch_path.
     ``known_available``: the caller has just seen :func:`available` say True (the op has)."""
     device = q.device
-    # Contiguous whatever q's strides (plan.out_strides are the contiguous out's); zeros_like
-    # parses fewer arguments than zeros, a few microseconds of a decode step.
-    out = torch.zeros_like(q, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+    # Contiguous whatever q's strides (plan.out_strides are the contiguous out's). Left unfilled:
+    # the kernel sets rows no batch owns to 0 / +inf on the calling thread (``fill``), since a
+    # torch fill here would leave torch's OpenMP worker spinning on the core the kernel needs.
+    out = torch.empty_like(q, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
     if plan.return_lse:
-        lse = torch.full(lse_shape(q.shape, plan.layout), float("inf"), dtype=torch.float32, device=device)
+        lse = torch.empty(lse_shape(q.shape, plan.layout), dtype=torch.float32, device=device)
         lse_strides = plan.lse_strides if lse.numel() else (0, 0, 0)  # the contiguous lse's, as planned
     else:
         lse = torch.empty(0, dtype=torch.float32, device=device)
         lse_strides = (0, 0, 0)
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
-         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available)
+         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available, fill=True)
     return out, lse
 
 
@@ -221,13 +222,14 @@ def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_sc
     if lse.numel():
         lse_strides = (0, *lse.stride()) if plan.layout == "TND" else lse.stride()
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, normalised_strides(out, plan.layout), lse,
-         lse_strides, split_rows, chunk_blocks, tile_rows, q.device, False)
+         lse_strides, split_rows, chunk_blocks, tile_rows, q.device, False, fill=False)
 
 
 def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
          lse_strides, split_rows: int, chunk_blocks: int, tile_rows: int, device: torch.device,
-         known_available: bool) -> None:
-    """``run_into`` with out's normalised strides and lse's (batch, head, position) strides given."""
+         known_available: bool, *, fill: bool) -> None:
+    """``run_into`` with out's normalised strides and lse's (batch, head, position) strides given;
+    ``fill``: out and lse are fresh and contiguous, set to 0 / +inf before the kernel's rows."""
     if device.type != "cpu":
         raise ValueError(f"q must be on the CPU for the native kernel, got {device}")
     if not (known_available and _module is not None) and not available():
@@ -240,5 +242,5 @@ def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale,
         q, k, v, (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, out_strides, lse, lse_strides,
         plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale.item(), _decode_table(),
-        _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES,
+        _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, fill,
     )
