@@ -174,12 +174,19 @@ Buffer alloc(int64_t n) {
 }
 
 // ---- HiF8 decode ------------------------------------------------------------------------------
-// The fp32 value of a code is a bf16 pattern (low 16 bits zero) whose sign is the code's bit 7
-// (code 0x80 is NaN). The two bytes of the bf16 pattern of the 128 magnitudes are looked up with
-// vpshufb in 16-entry segments chained by xor: for a magnitude in segment k, the lookups of
-// segments 0..k hit (index - 16 i keeps bit 7 clear) and telescope to segment k's byte; those of
-// later segments see bit 7 set and add 0. A decode table without that structure (none today)
-// falls back to scalar lookups. Non-finite values are flagged from the codes as they are decoded.
+// The fp32 value of a code is a bf16 pattern (low 16 bits zero) whose sign is the code's bit 7.
+// Its 15 magnitude bits are an affine function of the code's low 3 bits within each group of 8
+// magnitudes (H = magnitude >> 3: the dot field and the exponent's leading bits): for a positive
+// exponent the low bits are the exponent's tail then the mantissa, both in place; for a
+// negative one the tail counts down, which an xor of the tail bits turns into counting up. So
+//   bf16 magnitude = 2 * (M[H] * ((m & 7) ^ X[H]) + 64 * B[H])
+// with 16-entry byte tables (vpshufb lookups by H) and one vpmaddubsw for both products. The
+// tables are fitted to the 256-entry decode table at init and the fit is checked on every code,
+// so the rule is the table's, not a second statement of the format. The codes the rule does not
+// cover are zero (handled by clearing B), and NaN and +-Inf (flagged from the codes: a range
+// holding one is decoded again by table lookups). A table without that structure (none today)
+// falls back to scalar lookups. Measured on the AVX2 EPYC: 0.13 ns a code in L1, against 0.25 for
+// the previous vpshufb chain over 8 segments of the 128 magnitudes.
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define QFA_SIMD 1
@@ -189,8 +196,12 @@ struct Decoder {
   float table[256];
   bool simd = false;
 #ifdef QFA_SIMD
-  __m256i hi_t[8], lo_t[8], nan_hi, nan_lo;
+  __m256i xor_t, mul_t, base_t;  // X, M and B by H, repeated in both 128-bit lanes
 #endif
+
+  // Codes the affine rule leaves to the table.
+  static bool special(int m) { return m == 0 || m == 0x6F; }
+  static bool nonfinite(int code) { return code == 0x80 || (code & 0x7F) == 0x6F; }
 
   void init(const float* t) {
     std::memcpy(table, t, sizeof(table));
@@ -199,55 +210,71 @@ struct Decoder {
     bool ok = bits[0] == 0;
     for (int x = 0; x < 256; ++x) {
       ok = ok && (bits[x] & 0xFFFFu) == 0;
-      const bool finite = std::isfinite(t[x]);
-      ok = ok && finite == !(x == 0x80 || (x & 0x7F) == 0x6F);
+      ok = ok && std::isfinite(t[x]) == !nonfinite(x);
     }
     for (int x = 1; x < 128; ++x) ok = ok && bits[x | 0x80] == (bits[x] | 0x80000000u);
 #ifdef QFA_SIMD
+    alignas(32) uint8_t xs[32], ms[32], bs[32];
+    for (int h = 0; h < 16 && ok; ++h) {
+      bool found = false;
+      for (int x = 0; x < 8 && !found; ++x) {
+        for (int k = 1; k < 8 && !found; ++k) {  // M = 2^(k-1): a power of two below 128
+          int64_t base = -1;
+          bool fits = true;
+          for (int lo = 0; lo < 8 && fits; ++lo) {
+            const int m = 8 * h + lo;
+            if (special(m)) continue;
+            const int64_t b = int64_t(bits[m] >> 16) - (int64_t(lo ^ x) << k);
+            if (base < 0) base = b;
+            fits = b == base;
+          }
+          if (!fits || base < 0 || base % 128 != 0 || base / 128 > 255) continue;
+          xs[h] = xs[h + 16] = static_cast<uint8_t>(x);
+          ms[h] = ms[h + 16] = static_cast<uint8_t>(1 << (k - 1));
+          bs[h] = bs[h + 16] = static_cast<uint8_t>(base / 128);
+          found = true;
+        }
+      }
+      ok = found;
+    }
     simd = ok;
     if (!simd) return;
-    alignas(32) uint8_t h[8][32], l[8][32];
-    for (int i = 0; i < 8; ++i) {
-      for (int n = 0; n < 16; ++n) {
-        const uint32_t cur = bits[16 * i + n], prev = i ? bits[16 * (i - 1) + n] : 0u;
-        h[i][n] = h[i][n + 16] = static_cast<uint8_t>(((cur ^ prev) >> 24) & 0xFF);
-        l[i][n] = l[i][n + 16] = static_cast<uint8_t>(((cur ^ prev) >> 16) & 0xFF);
-      }
-      hi_t[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(h[i]));
-      lo_t[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(l[i]));
-    }
-    nan_hi = _mm256_set1_epi8(static_cast<char>((bits[0x80] >> 24) & 0xFF));
-    nan_lo = _mm256_set1_epi8(static_cast<char>((bits[0x80] >> 16) & 0xFF));
+    xor_t = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs));
+    mul_t = _mm256_load_si256(reinterpret_cast<const __m256i*>(ms));
+    base_t = _mm256_load_si256(reinterpret_cast<const __m256i*>(bs));
 #else
     (void)ok;
 #endif
   }
 
 #ifdef QFA_SIMD
-  // 32 contiguous codes to fp32; returns a mask, nonzero where a code is not finite.
+  // 32 contiguous codes to fp32; returns a mask, nonzero where a code is not finite (whose value
+  // here is wrong: the caller decodes such a range again with the table).
   inline __m256i decode32(const uint8_t* p, float* d) const {
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(0x7F));
-    const __m256i sixteen = _mm256_set1_epi8(16);
-    __m256i x = m, hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
-    for (int i = 0; i < 8; ++i) {
-      hi = _mm256_xor_si256(hi, _mm256_shuffle_epi8(hi_t[i], x));
-      lo = _mm256_xor_si256(lo, _mm256_shuffle_epi8(lo_t[i], x));
-      x = _mm256_sub_epi8(x, sixteen);
-    }
-    hi = _mm256_or_si256(hi, _mm256_and_si256(c, _mm256_set1_epi8(static_cast<char>(0x80))));
-    const __m256i nan = _mm256_cmpeq_epi8(c, _mm256_set1_epi8(static_cast<char>(0x80)));
-    hi = _mm256_blendv_epi8(hi, nan_hi, nan);
-    lo = _mm256_blendv_epi8(lo, nan_lo, nan);
     const __m256i z = _mm256_setzero_si256();
-    const __m256i wl = _mm256_unpacklo_epi8(lo, hi), wh = _mm256_unpackhi_epi8(lo, hi);
-    const __m256i f0 = _mm256_unpacklo_epi16(z, wl), f1 = _mm256_unpackhi_epi16(z, wl);
-    const __m256i f2 = _mm256_unpacklo_epi16(z, wh), f3 = _mm256_unpackhi_epi16(z, wh);
+    const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(0x7F));
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(m, 3), _mm256_set1_epi8(0x0F));
+    const __m256i lx = _mm256_xor_si256(_mm256_and_si256(m, _mm256_set1_epi8(7)), _mm256_shuffle_epi8(xor_t, h));
+    const __m256i mul = _mm256_shuffle_epi8(mul_t, h);
+    const __m256i base = _mm256_andnot_si256(_mm256_cmpeq_epi8(m, z), _mm256_shuffle_epi8(base_t, h));
+    // vpmaddubsw: (M, B) unsigned times (lx, 64) signed, pairwise: M * lx + 64 * B per 16-bit lane.
+    const __m256i s64 = _mm256_set1_epi8(64);
+    const __m256i sign = _mm256_and_si256(c, _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m256i w0 = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_maddubs_epi16(_mm256_unpacklo_epi8(mul, base), _mm256_unpacklo_epi8(lx, s64)), 1),
+        _mm256_unpacklo_epi8(z, sign));
+    const __m256i w1 = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_maddubs_epi16(_mm256_unpackhi_epi8(mul, base), _mm256_unpackhi_epi8(lx, s64)), 1),
+        _mm256_unpackhi_epi8(z, sign));
+    const __m256i f0 = _mm256_unpacklo_epi16(z, w0), f1 = _mm256_unpackhi_epi16(z, w0);
+    const __m256i f2 = _mm256_unpacklo_epi16(z, w1), f3 = _mm256_unpackhi_epi16(z, w1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm256_permute2x128_si256(f0, f1, 0x20));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 8), _mm256_permute2x128_si256(f2, f3, 0x20));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm256_permute2x128_si256(f0, f1, 0x31));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 24), _mm256_permute2x128_si256(f2, f3, 0x31));
-    return _mm256_or_si256(nan, _mm256_cmpeq_epi8(m, _mm256_set1_epi8(0x6F)));
+    return _mm256_or_si256(_mm256_cmpeq_epi8(c, _mm256_set1_epi8(static_cast<char>(0x80))),
+                           _mm256_cmpeq_epi8(m, _mm256_set1_epi8(0x6F)));
   }
 #endif
 
@@ -260,7 +287,10 @@ struct Decoder {
       if (simd) {
         __m256i bad = _mm256_setzero_si256();
         for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32(p + x, d + x));
-        finite = _mm256_testz_si256(bad, bad);
+        if (!_mm256_testz_si256(bad, bad)) {  // NaN or Inf (rare): the table's values
+          for (int64_t i = 0; i < x; ++i) d[i] = table[p[i]];
+          finite = false;
+        }
       }
 #endif
       for (; x < n; ++x) { d[x] = table[p[x]]; finite = finite && std::isfinite(d[x]); }
