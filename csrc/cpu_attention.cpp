@@ -19,9 +19,12 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
+#include <string>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -424,6 +427,14 @@ inline const float* key_rows(const Call& c, const Item& it, const uint8_t* base,
 }
 
 #ifdef QFA_SIMD
+// A load the compiler keeps in a register: where one value feeds two FMAs, GCC otherwise folds
+// the load into both (two loads per value), and the few-row loops become load-bound.
+inline __m256 load_once(const float* p) {
+  __m256 v = _mm256_loadu_ps(p);
+  asm("" : "+x"(v));
+  return v;
+}
+
 // [sum(a0), ..., sum(a7)]
 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -455,13 +466,13 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t x = 0; x < D; x += 8) {
           const __m256 u = _mm256_loadu_ps(q0 + x), w = _mm256_loadu_ps(q1 + x);
-          __m256 kv = _mm256_loadu_ps(k + x);
+          __m256 kv = load_once(k + x);
           a0 = _mm256_fmadd_ps(u, kv, a0); b0 = _mm256_fmadd_ps(w, kv, b0);
-          kv = _mm256_loadu_ps(k + D + x);
+          kv = load_once(k + D + x);
           a1 = _mm256_fmadd_ps(u, kv, a1); b1 = _mm256_fmadd_ps(w, kv, b1);
-          kv = _mm256_loadu_ps(k + 2 * D + x);
+          kv = load_once(k + 2 * D + x);
           a2 = _mm256_fmadd_ps(u, kv, a2); b2 = _mm256_fmadd_ps(w, kv, b2);
-          kv = _mm256_loadu_ps(k + 3 * D + x);
+          kv = load_once(k + 3 * D + x);
           a3 = _mm256_fmadd_ps(u, kv, a3); b3 = _mm256_fmadd_ps(w, kv, b3);
         }
         alignas(32) float s[8];
@@ -719,13 +730,13 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
         for (; j < both; ++j) {
           const __m256 u = _mm256_broadcast_ss(p0 + j), w = _mm256_broadcast_ss(p1 + j);
           const float* v = vr + j * D + x;
-          __m256 vv = _mm256_loadu_ps(v);
+          __m256 vv = load_once(v);
           a0 = _mm256_fmadd_ps(u, vv, a0); b0 = _mm256_fmadd_ps(w, vv, b0);
-          vv = _mm256_loadu_ps(v + 8);
+          vv = load_once(v + 8);
           a1 = _mm256_fmadd_ps(u, vv, a1); b1 = _mm256_fmadd_ps(w, vv, b1);
-          vv = _mm256_loadu_ps(v + 16);
+          vv = load_once(v + 16);
           a2 = _mm256_fmadd_ps(u, vv, a2); b2 = _mm256_fmadd_ps(w, vv, b2);
-          vv = _mm256_loadu_ps(v + 24);
+          vv = load_once(v + 24);
           a3 = _mm256_fmadd_ps(u, vv, a3); b3 = _mm256_fmadd_ps(w, vv, b3);
         }
         for (int64_t jj = j; jj < n0; ++jj) {
@@ -969,6 +980,12 @@ struct SingleThreadedBlas {
   }
 };
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 // ---- the workers ------------------------------------------------------------------------------
 // A region of n items, handed out by an atomic counter to the calling thread and to the pool's
 // threads. The caller waits only for items that some thread has taken: a pool thread that is
@@ -1022,7 +1039,11 @@ class Pool {
     r->helpers = busy.owns_lock() ? std::min<int64_t>(threads, n) - 1 : 0;
     if (r->helpers > 0) {
       std::lock_guard<std::mutex> lk(mu_);
-      while (static_cast<int64_t>(threads_.size()) < r->helpers) threads_.emplace_back([this] { work(); });
+      while (static_cast<int64_t>(threads_.size()) < r->helpers) {
+        threads_.emplace_back([this] { work(); });
+        steered_for_ = -1;
+      }
+      steer();
       region_ = r;
       ++generation_;
     }
@@ -1043,9 +1064,30 @@ class Pool {
   }
 
  private:
+  Pool() {
+    CPU_ZERO(&cpus_);
+    steerable_ = sched_getaffinity(0, sizeof(cpus_), &cpus_) == 0 && CPU_COUNT(&cpus_) > 1;
+  }
+
   static Pool*& instance() {
     static Pool* p = nullptr;
     return p;
+  }
+
+  // The pool's threads may run on any of the process's CPUs but the caller's. The caller wakes
+  // them, and when no CPU is idle (torch's OpenMP worker spins for milliseconds after each of
+  // torch's own parallel ops, so in a model there is none) the scheduler places a woken thread
+  // on the waker's CPU: the caller and its helper then share one core while the other spins
+  // (measured on the 2-core EPYC: 9 calls in 10, and a decode call took 1.2 ms instead of 0.6).
+  // Set again only when the caller has moved. Under mu_.
+  void steer() {
+    if (!steerable_) return;
+    const int cpu = sched_getcpu();
+    if (cpu < 0 || cpu == steered_for_ || !CPU_ISSET(cpu, &cpus_)) return;
+    cpu_set_t others = cpus_;
+    CPU_CLR(cpu, &others);
+    for (auto& t : threads_) pthread_setaffinity_np(t.native_handle(), sizeof(others), &others);
+    steered_for_ = cpu;
   }
 
   void work() {
@@ -1070,12 +1112,89 @@ class Pool {
   std::vector<std::thread> threads_;
   std::shared_ptr<Region> region_;
   uint64_t generation_ = 0;
+  cpu_set_t cpus_;          // the process's CPUs when the pool was made
+  bool steerable_ = false;  // more than one of them
+  int steered_for_ = -1;    // the caller CPU the threads' affinity excludes, -1 for none yet
 };
+
+// Which threads run a region. Torch's own OpenMP team by default: after each of torch's parallel
+// ops its worker spins for about 10 ms (measured here), so in a model, where torch ops surround
+// every attention call, a thread of the kernel's own would share a core with that spinning worker
+// (a B = 8 decode call took 1.3-1.5x its time alone), while the spinning worker itself takes
+// items within microseconds. But an OpenMP region ends in a barrier that waits for every thread
+// of the team to arrive, and with another process busy on a core a worker is often a scheduler
+// slice late (1-5 ms in a quarter of the calls here; a 4 ms call took 3x its quiet time). So a
+// region whose worker arrived late sends the calls of the next kOwnPoolMs to the kernel's own
+// pool, whose caller waits only for items a thread has taken, then OpenMP is tried again.
+// QFA_POOL=omp or own pins the choice (the tests run both). Never a difference in the bits.
+enum class Team { automatic, own, omp };
+constexpr int64_t kLateUs = 500;
+constexpr int64_t kOwnPoolMs = 200;
+
+// libgomp's team does not survive fork (a child's first parallel region hangs, torch's own ops
+// included); the kernel's pool starts afresh there, so a forked child always runs on it.
+std::atomic<bool> forked_child{false};
+const int fork_watch = pthread_atfork(nullptr, nullptr, [] { forked_child.store(true); });
+
+Team team_setting() {
+  static const Team t = [] {
+    const char* e = std::getenv("QFA_POOL");
+    const std::string v = e ? e : "";
+    return v == "own" ? Team::own : v == "omp" ? Team::omp : Team::automatic;
+  }();
+  return forked_child.load() ? Team::own : t;
+}
+
+// The last region's team (0 the caller alone, 1 the own pool, 2 OpenMP) and, for OpenMP, how
+// many threads entered it: for the tests.
+std::atomic<int> last_team{0}, last_entered{0};
+
+inline int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Runs fn on items [0, n) on torch's OpenMP team; returns how late (us) its last thread arrived.
+template <typename F>
+int64_t run_on_openmp(int64_t n, int64_t threads, const F& fn) {
+  Region r;
+  r.fn = fn;
+  r.n = n;
+  const int64_t t0 = now_us();
+  std::atomic<int64_t> late{0};
+  last_entered.store(0);
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t) {
+    last_entered.fetch_add(1);
+    if (first > 0) {
+      const int64_t us = now_us() - t0;
+      for (int64_t cur = late.load(); us > cur && !late.compare_exchange_weak(cur, us);) {}
+    }
+    SingleThreadedBlas one;
+    r.drain(thread_scratch());
+    // Wait for the items others have taken asleep once past a short spin: a thread spinning in
+    // the closing barrier holds its core, and a straggler on a busy core could not move there.
+    for (int spins = 0; r.done.load() != r.n && spins < 2000; ++spins) cpu_relax();
+    std::unique_lock<std::mutex> lk(r.m);
+    r.cv.wait(lk, [&] { return r.done.load() == r.n; });
+  });
+  if (r.error) std::rethrow_exception(r.error);
+  return late.load();
+}
 
 // Hands items out costliest first to whichever thread asks next; one region.
 template <typename F>
 void run_items(int64_t n, const F& fn) {
-  Pool::get().run(n, at::get_num_threads(), fn);
+  static std::atomic<int64_t> own_until{0};  // us: the own pool runs regions until then
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  const Team team = team_setting();
+  if (threads <= 1 || team == Team::own || (team == Team::automatic && now_us() < own_until.load())) {
+    last_team.store(threads <= 1 ? 0 : 1);
+    Pool::get().run(n, threads, fn);
+    return;
+  }
+  last_team.store(2);
+  const int64_t late = run_on_openmp(n, threads, fn);
+  if (team == Team::automatic && late > kLateUs) own_until.store(now_us() + kOwnPoolMs * 1000);
 }
 
 std::vector<int64_t> by_cost(const std::vector<Item>& items) {
@@ -1085,11 +1204,6 @@ std::vector<int64_t> by_cost(const std::vector<Item>& items) {
   return order;
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
 
 constexpr int64_t kKeptStoreFloats = int64_t(1) << 22;  // 16 MiB
 
@@ -1352,6 +1466,12 @@ at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool 
   return out;
 }
 
+// The team of the last region a call ran, and how many threads entered it (tests).
+std::tuple<std::string, int64_t> last_region() {
+  static const char* names[] = {"caller", "own", "omp"};
+  return {names[last_team.load()], last_team.load() == 2 ? last_entered.load() : -1};
+}
+
 // Whether the SIMD decoder runs for this table in this build.
 bool simd_decoder(const at::Tensor& decode_table) {
   TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
@@ -1364,5 +1484,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_codes", &decode_codes, "HiF8 codes to fp32 with the kernel's decoder (tests)");
   m.def("round_p", &round_p, "HiF8 rounding of P with the kernel's code (tests)");
   m.def("simd_decoder", &simd_decoder, "whether the SIMD decoder runs for this table (tests)");
+  m.def("last_region", &last_region, "the last region's team and the threads that entered it (tests)");
   m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/cpu_kernel.py)");
 }

@@ -24,6 +24,7 @@ HiF8 steps (2^-4 relative) in O, orders of magnitude beyond this bound.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -154,6 +155,9 @@ for threads in (1, 2):
     plan, args = t.make(**t.CASES["decode-1x4097"])
     out, lse = t._fp32_out(plan, args, chunk_blocks=1)
     results.append((out.view(torch.int64).clone(), lse.view(torch.int64).clone()))
+    if threads == 2 and sys.argv[2]:  # the region ran on the team asked for, with both threads
+        team, entered = t.cpu_kernel._module.last_region()
+        assert team == sys.argv[2] and entered in ((2,) if team == "omp" else (-1,)), (team, entered)
 half = len(results) // 2
 assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(results[:half], results[half:]))
 print("identical")
@@ -161,10 +165,68 @@ print("identical")
 
 
 @needs_kernel
-def test_one_and_two_threads_give_identical_bits():
+@pytest.mark.parametrize("team", ["omp", "own", ""], ids=["openmp-team", "own-pool", "automatic"])
+def test_one_and_two_threads_give_identical_bits(team):
+    """On torch's OpenMP team, on the kernel's own pool, and with the choice left to the kernel."""
     here = str(__import__("pathlib").Path(__file__).parent)
-    done = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, here], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "QFA_POOL": team}
+    done = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, here, team], capture_output=True, text=True,
+                          timeout=300, env=env)
     assert done.returncode == 0 and "identical" in done.stdout, done.stderr[-2000:]
+
+
+_STEER_SCRIPT = r"""
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_cpu_kernel as t
+torch.set_num_threads(2)
+plan, args = t.make(**t.CASES["decode-1x4097"])
+t.cpu_kernel.forward(plan, *args)
+assert t.cpu_kernel._module.last_region()[0] == "own"
+base = os.sched_getaffinity(0)
+me = str(__import__("threading").get_native_id())
+steered = [os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task") if tid != me]
+print(any(len(base - s) == 1 and s < base for s in steered))
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to steer")
+def test_own_pool_threads_keep_off_the_callers_cpu():
+    """The own pool's threads may run on every CPU of the process but the caller's: when no CPU is
+    idle, the scheduler would otherwise put the thread the caller wakes on the caller's core."""
+    here = str(__import__("pathlib").Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", _STEER_SCRIPT, here], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "QFA_POOL": "own"})
+    assert done.returncode == 0 and done.stdout.strip() == "True", (done.stdout, done.stderr[-2000:])
+
+
+_FORK_SCRIPT = r"""
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_cpu_kernel as t
+torch.set_num_threads(2)
+plan, args = t.make(**t.CASES["decode-1x4097"])
+want = t.cpu_kernel.forward(plan, *args)[0].view(torch.int16)
+assert t.cpu_kernel._module.last_region() == ("omp", 2)
+pid = os.fork()
+if pid == 0:
+    got = t.cpu_kernel.forward(plan, *args)[0].view(torch.int16)
+    os._exit(0 if torch.equal(got, want) and t.cpu_kernel._module.last_region()[0] == "own" else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_runs_on_the_own_pool():
+    """libgomp's team does not survive fork (a child's first OpenMP region hangs); a child of a
+    process that ran the kernel on it gets the same bits from the own pool."""
+    here = str(__import__("pathlib").Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, here], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "QFA_POOL": "omp"})
+    assert done.returncode == 0 and done.stdout.strip() == "child 0", (done.stdout, done.stderr[-2000:])
 
 
 @needs_kernel

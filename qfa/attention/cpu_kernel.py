@@ -4,13 +4,18 @@ Same contract and numerics as :func:`qfa.attention.torch_path.forward` (the gold
 for each query row, its visible keys in 256-key blocks in ascending order, P rounded to HiF8
 relative to the running max, exact HiF8 products with fp32 accumulation. The work is organised
 the way ATen's own CPU flash attention is: work items of (batch, kv head, query tile), handed
-out by an atomic counter to the calling thread and to the kernel's own pool of
-``torch.get_num_threads() - 1`` threads (not an OpenMP team: the caller waits only for items a
-thread has taken, never for a thread that is slow to wake because its core is busy, which an
-OpenMP region's closing barrier does); each worker runs its item alone on cache-resident
-blocks: the two GEMMs of a block, and one fused pass per block for max, exp, row sum and alpha
-with P's HiF8 rounding in 8-lane integer ops (the table's bit rule, no 65536-entry gather);
-only blocks that cross the causal diagonal are masked. Prefill decodes each batch's K and V to
+out by an atomic counter, costliest first, to the threads of one region per call; each worker
+runs its item alone on cache-resident blocks: the two GEMMs of a block, and one fused pass per
+block for max, exp, row sum and alpha with P's HiF8 rounding in 8-lane integer ops (the table's
+bit rule, no 65536-entry gather). The region runs on torch's own OpenMP team: after each of
+torch's parallel ops its worker spins for about 10 ms, so in a model a thread of the kernel's
+own would share a core with it, where the spinning worker itself joins within microseconds.
+When a worker arrives late (another process busy on its core: an OpenMP region's closing
+barrier then waits a scheduler slice), the calls of the next 200 ms run on the kernel's own
+pool of ``torch.get_num_threads() - 1`` threads instead, whose caller waits only for items a
+thread has taken, and whose threads keep off the caller's CPU (``QFA_POOL=omp|own`` pins the
+choice; a forked child always uses the pool, since libgomp's team does not survive fork).
+Only blocks that cross the causal diagonal are masked. Prefill decodes each batch's K and V to
 fp32 once (a second, short region); decode reads the 1-byte codes of each block directly.
 
 On AVX2 / AVX-512 builds the GEMMs are the kernel's own: register tiles of 6 rows x 16 columns
@@ -20,10 +25,12 @@ contiguous and stays in L1; every element is one FMA chain over the summed index
 order. Per-block MKL calls spent about a tenth of the time packing operands and scaling C, and
 the kernel runs 14-17 % less CPU time without them (measured single-threaded on the AVX2 EPYC).
 Blocks of at most 16 rows (decode: new tokens x the GQA group) use fused kernels: 8 keys at a
-time are decoded (AVX2 ``vpshufb`` lookups of the bf16 bytes of each value, bit-exact to the
-256-entry table) into an L1 buffer and the dot products run from there in a fixed order; their
-P @ V chains are the tiles' (a zero P adds nothing to a finite value), and a block holding a
-non-finite V value runs them so that it reaches only the rows that see its key. Which path a
+time are decoded (AVX2: per group of 8 magnitudes the bf16 pattern is affine in the code's low 3
+bits, with coefficients fitted to the 256-entry table at init, looked up with ``vpshufb`` and
+applied with one ``vpmaddubsw``; bit-exact to the table) into an L1 buffer and the dot products
+run from there in a fixed order; their P @ V chains are the tiles' (a zero P adds nothing to a
+finite value), and a block holding a non-finite V value runs them so that it reaches only the
+rows that see its key. Which path a
 block takes depends only on the item's shape. The scalar build (no vector ISA) calls MKL's
 sgemm per block (``at::mm_out``); its workers pin both OpenMP's and MKL's thread count to 1
 (torch sets MKL's, which MKL reads instead of OpenMP's: without it, every GEMM inside a worker
@@ -90,8 +97,9 @@ _VECTOR_FLAGS = {
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
 # No contraction to FMA: the fused step must round S * dScale and the subtraction separately,
-# as the torch path does.
-_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+# as the torch path does. -fopenmp: at::parallel_for's region is a header template, compiled
+# here; without it the region ran on the calling thread alone.
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -129,7 +137,7 @@ def _build() -> ModuleType:
     if not SOURCE.is_file():
         raise FileNotFoundError(f"{SOURCE} (the native kernel's source, package data of qfa.csrc)")
     flags = _COMMON_FLAGS + _VECTOR_FLAGS.get(cpu_capability(), [])
-    # libgomp: the workers pin their nested OpenMP team size to 1 (torch's own runtime is OpenMP).
+    # libgomp, torch's own OpenMP runtime (the same soname: one runtime in the process).
     return load(name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-lgomp"],
                 verbose=False)
 

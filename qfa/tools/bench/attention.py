@@ -140,8 +140,16 @@ def quantised_decode_inputs(batch: int, heads_q: int, heads_kv: int, seq_q: int,
     return codes, descales, values
 
 
+#: Timed runs per call: at least MIN_RUNS, and more until MIN_TOTAL_SECONDS (at most MAX_RUNS):
+#: a decode row takes about a millisecond, and the median of 3 of those moved by 2x from run to
+#: run on a shared host, while a prefill row of a second needs no more than 3.
+MIN_RUNS = 3
+MIN_TOTAL_SECONDS = 0.3
+MAX_RUNS = 300
+
+
 def _time(fn: Callable[[], object]) -> float:
-    return median_seconds(fn, min_runs=3, min_total=0)
+    return median_seconds(fn, min_runs=MIN_RUNS, min_total=MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
 
 
 def row_timings(quant_mode: int, batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int, backend: str,
