@@ -220,7 +220,9 @@ struct Decoder {
     alignas(32) uint8_t xs[32], ms[32], bs[32];
     for (int h = 0; h < 16 && ok; ++h) {
       bool found = false;
-      for (int x = 0; x < 8 && !found; ++x) {
+      // Code 0 is left out of the fit and decodes as 2 * M * (0 ^ X) once B is cleared: its group
+      // must not xor.
+      for (int x = 0; x < (h == 0 ? 1 : 8) && !found; ++x) {
         for (int k = 1; k < 8 && !found; ++k) {  // M = 2^(k-1): a power of two below 128
           int64_t base = -1;
           bool fits = true;
@@ -987,11 +989,12 @@ inline void cpu_relax() {
 }
 
 // ---- the workers ------------------------------------------------------------------------------
-// A region of n items, handed out by an atomic counter to the calling thread and to the pool's
-// threads. The caller waits only for items that some thread has taken: a pool thread that is
-// slow to wake (the core is busy with another process) finds the counter spent and takes
-// nothing, where an OpenMP region would wait at its closing barrier for every thread of the
-// team. Items are the unit of work; which thread runs one never changes what it computes.
+// A region of n items, handed out by an atomic counter to the threads that run it (torch's
+// OpenMP team, or the caller and the kernel's own pool: see run_items). On the pool the caller
+// waits only for items that some thread has taken: a pool thread that is slow to wake (the core
+// is busy with another process) finds the counter spent and takes nothing, where an OpenMP
+// region waits at its closing barrier for every thread of the team. Items are the unit of work;
+// which thread runs one never changes what it computes.
 struct Region {
   std::function<void(int64_t, Scratch&)> fn;
   int64_t n = 0;
