@@ -5,7 +5,8 @@
 // GEMMs single-threaded (at::mm_out inside the parallel region), and one fused pass per
 // 256-key block for max, exp, row sum, HiF8 rounding and alpha. Items are handed out by an
 // atomic counter, costliest first, so a thread slowed by another process simply takes fewer
-// items. Nothing a thread computes depends on which thread runs it or how many there are.
+// items (on the own pool; on the OpenMP team the closing barrier still waits for it: see
+// run_items). Nothing a thread computes depends on which thread runs it or how many there are.
 
 #include <torch/extension.h>
 
@@ -184,12 +185,12 @@ Buffer alloc(int64_t n) {
 // negative one the tail counts down, which an xor of the tail bits turns into counting up. So
 //   bf16 magnitude = 2 * (M[H] * ((m & 7) ^ X[H]) + 64 * B[H])
 // with 16-entry byte tables (vpshufb lookups by H) and one vpmaddubsw for both products. The
-// tables are fitted to the 256-entry decode table at init and the fit is checked on every code,
-// so the rule is the table's, not a second statement of the format. The codes the rule does not
-// cover are zero (handled by clearing B), and NaN and +-Inf (flagged from the codes: a range
-// holding one is decoded again by table lookups). A table without that structure (none today)
-// falls back to scalar lookups. Measured on the AVX2 EPYC: 0.13 ns a code in L1, against 0.25 for
-// the previous vpshufb chain over 8 segments of the 128 magnitudes.
+// tables are fitted to the 256-entry decode table at init, and the fit is checked on every
+// magnitude but two, so the rule is the table's, not a second statement of the format. Those two
+// are zero (B cleared; its group must not xor) and 0x6F: the codes 0x80 (NaN) and +-0x6F (Inf)
+// are flagged from the codes, and a range holding one is decoded again by table lookups. A
+// table without that structure (none today) falls back to scalar lookups. Measured on the AVX2
+// EPYC: 0.13 ns a code in L1, against 0.25 for the previous vpshufb chain over 8 segments.
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define QFA_SIMD 1
@@ -348,10 +349,12 @@ struct Scratch {
   Buffer q, k, kp, v, vs, s, pv, o, m, l, alpha, prod, rsum;
   void ensure(int64_t r, int64_t d, int64_t b) {
     if (r <= rows && d <= dim && b <= bn) return;
-    rows = std::max(r, rows); dim = std::max(d, dim); bn = std::max(b, bn);
-    q = alloc(rows * dim); s = alloc(rows * bn); pv = alloc(rows * dim); o = alloc(rows * dim);
-    m = alloc(rows); l = alloc(rows); alpha = alloc(rows); prod = alloc(rows); rsum = alloc(rows);
-    k = alloc(bn * dim); kp = alloc(bn * dim); v = alloc(bn * dim); vs = alloc(bn * dim);
+    const int64_t R = std::max(r, rows), D = std::max(d, dim), N = std::max(b, bn);
+    rows = dim = bn = 0;  // claimed once every buffer is there: alloc throws when one fails
+    q = alloc(R * D); s = alloc(R * N); pv = alloc(R * D); o = alloc(R * D);
+    m = alloc(R); l = alloc(R); alpha = alloc(R); prod = alloc(R); rsum = alloc(R);
+    k = alloc(N * D); kp = alloc(N * D); v = alloc(N * D); vs = alloc(N * D);
+    rows = R; dim = D; bn = N;
   }
 };
 
@@ -998,7 +1001,7 @@ inline void cpu_relax() {
 struct Region {
   std::function<void(int64_t, Scratch&)> fn;
   int64_t n = 0;
-  int64_t helpers = 0;  // pool threads that may join (torch's thread count - 1)
+  int64_t helpers = 0;  // pool threads that may join (min(threads, n) - 1)
   std::atomic<int64_t> next{0}, done{0}, joined{0};
   std::mutex m;
   std::condition_variable cv;
@@ -1067,27 +1070,26 @@ class Pool {
   }
 
  private:
-  Pool() {
-    CPU_ZERO(&cpus_);
-    steerable_ = sched_getaffinity(0, sizeof(cpus_), &cpus_) == 0 && CPU_COUNT(&cpus_) > 1;
-  }
-
   static Pool*& instance() {
     static Pool* p = nullptr;
     return p;
   }
 
-  // The pool's threads may run on any of the process's CPUs but the caller's. The caller wakes
+  // The pool's threads may run on any of the caller's CPUs but the one it is on. The caller wakes
   // them, and when no CPU is idle (torch's OpenMP worker spins for milliseconds after each of
   // torch's own parallel ops, so in a model there is none) the scheduler places a woken thread
   // on the waker's CPU: the caller and its helper then share one core while the other spins
   // (measured on the 2-core EPYC: 9 calls in 10, and a decode call took 1.2 ms instead of 0.6).
   // Set again only when the caller has moved. Under mu_.
   void steer() {
-    if (!steerable_) return;
     const int cpu = sched_getcpu();
-    if (cpu < 0 || cpu == steered_for_ || !CPU_ISSET(cpu, &cpus_)) return;
-    cpu_set_t others = cpus_;
+    if (cpu < 0 || cpu == steered_for_) return;
+    // The caller's CPUs now, not when the pool was made: a restriction since (taskset -a, a
+    // launcher pinning every thread, a cpuset change) is kept.
+    cpu_set_t others;
+    CPU_ZERO(&others);
+    if (sched_getaffinity(0, sizeof(others), &others) != 0 || !CPU_ISSET(cpu, &others) || CPU_COUNT(&others) < 2)
+      return;
     CPU_CLR(cpu, &others);
     for (auto& t : threads_) pthread_setaffinity_np(t.native_handle(), sizeof(others), &others);
     steered_for_ = cpu;
@@ -1115,8 +1117,6 @@ class Pool {
   std::vector<std::thread> threads_;
   std::shared_ptr<Region> region_;
   uint64_t generation_ = 0;
-  cpu_set_t cpus_;          // the process's CPUs when the pool was made
-  bool steerable_ = false;  // more than one of them
   int steered_for_ = -1;    // the caller CPU the threads' affinity excludes, -1 for none yet
 };
 
@@ -1157,7 +1157,8 @@ inline int64_t now_us() {
       .count();
 }
 
-// Runs fn on items [0, n) on torch's OpenMP team; returns how late (us) its last thread arrived.
+// Runs fn on items [0, n) on torch's OpenMP team of `threads`; returns how late (us) the latest of
+// its other threads arrived.
 template <typename F>
 int64_t run_on_openmp(int64_t n, int64_t threads, const F& fn) {
   Region r;
@@ -1185,9 +1186,12 @@ int64_t run_on_openmp(int64_t n, int64_t threads, const F& fn) {
 }
 
 // Hands items out costliest first to whichever thread asks next; one region.
+// us: every region runs on the own pool until then. One for all regions (a static local of
+// run_items would be one per lambda type: prefill's predecode region would keep its own).
+std::atomic<int64_t> own_until{0};
+
 template <typename F>
 void run_items(int64_t n, const F& fn) {
-  static std::atomic<int64_t> own_until{0};  // us: the own pool runs regions until then
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   const Team team = team_setting();
   if (threads <= 1 || team == Team::own || (team == Team::automatic && now_us() < own_until.load())) {
@@ -1196,7 +1200,9 @@ void run_items(int64_t n, const F& fn) {
     return;
   }
   last_team.store(2);
-  const int64_t late = run_on_openmp(n, threads, fn);
+  // The whole team, not `threads` of it: torch's region starts every thread and its closing
+  // barrier waits for each, so each one's lateness must count (those past n take no item).
+  const int64_t late = run_on_openmp(n, at::get_num_threads(), fn);
   if (team == Team::automatic && late > kLateUs) own_until.store(now_us() + kOwnPoolMs * 1000);
 }
 
@@ -1386,12 +1392,18 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   run_items(n1 + static_cast<int64_t>(all.size()), [&](int64_t i, Scratch& sc) {
     if (i < n1) {
       const Item& ch = chunks[order1[i]];
+      // Marked on every exit, 2 if it threw: its pass 2 must not wait for it forever.
+      struct Mark {
+        std::atomic<int>& done;
+        int value = 2;
+        ~Mark() { done.store(value, std::memory_order_release); }
+      } mark{max_done[order1[i]]};
       const int64_t R = (ch.t1 - ch.t0) * group;
       sc.ensure(R, dim, block_n);
       load_q(c, ch, sc.q.get());
       cmax[order1[i]].assign(R, kNegInf);
       chunk_max(c, ch, sc, cmax[order1[i]].data(), store_of(ch));
-      max_done[order1[i]].store(1, std::memory_order_release);
+      mark.value = 1;
       return;
     }
     const Item& it = all[order2[i - n1]];
@@ -1410,6 +1422,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
             std::this_thread::yield();  // under load the thread we wait for may need this core
           }
         }
+        TORCH_CHECK(max_done[x].load(std::memory_order_acquire) == 1, "qfa native attention: an earlier chunk failed");
         if (x < it.slot)
           for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
       }

@@ -366,8 +366,8 @@ def test_lse_is_fp32_under_a_float64_default_dtype():
 
 @needs_kernel
 def test_decoder_is_the_table_bit_for_bit():
-    """The kernel's HiF8 decoder (vpshufb segments on AVX2 / AVX-512 builds, scalar lookups
-    otherwise) against the 256-entry table: every code, NaN's bits included, in the 32-code SIMD
+    """The kernel's HiF8 decoder (the affine rule per group of 8 magnitudes on AVX2 / AVX-512
+    builds, scalar lookups otherwise) against the 256-entry table: every code, NaN's bits included, in the 32-code SIMD
     body and the scalar tail, from several alignments; and its non-finite flag."""
     table = luts.decode_lut(torch.float32).view(torch.float32)
     bits = table.view(torch.int32)
