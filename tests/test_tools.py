@@ -106,25 +106,54 @@ def test_speed_verdict():
 
 @pytest.fixture
 def fake_clock(monkeypatch):
-    """``median_seconds`` replaced by a clock that runs nothing: each row's three timings
-    (qfa, fp32 SDPA, bf16 SDPA) come from ``times[seq]``."""
+    """``interleaved_medians`` replaced by a clock that runs nothing: each row's three timings
+    (qfa, fp32 SDPA, bf16 SDPA) come from ``times[seq]``, one per call timed, in order."""
     times: dict[int, tuple[float, float, float]] = {}
     pending: list[float] = []
 
-    def fake_median(fn, **kwargs):
+    def next_time() -> float:
         if not pending:
-            seq = fake_median.seqs.pop(0)
+            seq = fake_medians.seqs.pop(0)
             pending.extend(times[seq])
         return pending.pop(0)
 
-    fake_median.seqs = []
-    monkeypatch.setattr(bench_attention, "median_seconds", fake_median)
+    def fake_medians(fns, **kwargs):
+        return {name: next_time() for name in fns}
+
+    fake_medians.seqs = []
+    monkeypatch.setattr(bench_attention, "interleaved_medians", fake_medians)
 
     def use(table: dict[int, tuple[float, float, float]], seqs: list[int]) -> None:
         times.update(table)
-        fake_median.seqs[:] = list(seqs)
+        fake_medians.seqs[:] = list(seqs)
 
     return use
+
+
+def test_interleaved_medians_time_the_calls_in_turns(monkeypatch):
+    """One warm-up call each, then rounds of one call each in order, until min_runs rounds and
+    min_total seconds (or max_runs); the median of each call's own times."""
+    from qfa.tools.bench import timing
+
+    clock = [0.0]
+    calls: list[str] = []
+    cost = {"a": 0.010, "b": 0.030}
+
+    def fn(name):
+        def run():
+            calls.append(name)
+            clock[0] += cost[name] * (3 if len(calls) == 7 else 1)  # a's call of round 3 is slow
+        return run
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    got = timing.interleaved_medians({"a": fn("a"), "b": fn("b")}, min_runs=3, min_total=0.15, max_runs=50)
+    # warm-up a, b; then rounds of (a, b) until 3 rounds and 0.15 s (0.04, 0.06, 0.04 ...): 4 rounds
+    assert calls == ["a", "b"] + ["a", "b"] * 4
+    assert got["a"] == pytest.approx(0.010) and got["b"] == pytest.approx(0.030)
+    assert len(timing.interleaved_medians({"a": fn("a")}, min_runs=2, min_total=10.0, max_runs=5)) == 1
+    assert calls.count("a") == 5 + 1 + 5  # capped at max_runs rounds (plus its warm-up)
+    with pytest.raises(ValueError, match="at least one"):
+        timing.interleaved_medians({})
 
 
 def test_speed_rows_count_only_long_sequences_toward_the_target(fake_clock):

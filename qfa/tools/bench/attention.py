@@ -4,8 +4,8 @@ The header names the CPU, the ISA extensions that matter to the kernels (AVX2, A
 AVX512_BF16, AMX) and the code path that ran (the native CPU kernel or the pure-torch path).
 Speed: causal prefill, B=1, D=128, and decode-shaped calls (Sq = 1 or 16 new tokens against a
 long KV, B = 1 or 8, no mask), against ``scaled_dot_product_attention`` on the dequantised fp32
-and bf16 tensors, measured in the same run (median of runs). ``--load`` measures the same rows
-again while a busy-loop process occupies one core (it stops by itself), beside SDPA under the
+and bf16 tensors, timed in turns in the same run (median of rounds). ``--load`` measures the
+same rows again while a busy-loop process occupies one core (it stops by itself), beside SDPA under the
 same load. Memory: peak RSS growth of one call at S=16384 in a fresh process. Accuracy: error
 against exact fp32 attention on the original (unquantised) inputs, for HiF8 and for a
 per-tensor FP8 E4M3 emulation.
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qfa.tools.bench import scaled_inputs
-from qfa.tools.bench.timing import markdown_table, median_seconds
+from qfa.tools.bench.timing import interleaved_medians, markdown_table
 from qfa.tools.metrics import error_metrics
 from qfa.tools.workloads import head_pairs
 
@@ -140,16 +140,16 @@ def quantised_decode_inputs(batch: int, heads_q: int, heads_kv: int, seq_q: int,
     return codes, descales, values
 
 
-#: Timed runs per call: at least MIN_RUNS, and more until MIN_TOTAL_SECONDS (at most MAX_RUNS):
-#: a decode row takes about a millisecond, and the median of 3 of those moved by 2x from run to
-#: run on a shared host, while a prefill row of a second needs no more than 3.
+#: Timed rounds per row (qfa and the SDPA calls in turns): at least MIN_RUNS, and more until the
+#: rounds took MIN_TOTAL_SECONDS (at most MAX_RUNS): a decode row takes about a millisecond, and
+#: the median of 3 of those moved by 2x from run to run on a shared host.
 MIN_RUNS = 3
-MIN_TOTAL_SECONDS = 0.3
+MIN_TOTAL_SECONDS = 0.6
 MAX_RUNS = 300
 
 
-def _time(fn: Callable[[], object]) -> float:
-    return median_seconds(fn, min_runs=MIN_RUNS, min_total=MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
+def _medians(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    return interleaved_medians(fns, min_runs=MIN_RUNS, min_total=MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
 
 
 def row_timings(quant_mode: int, batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int, backend: str,
@@ -182,14 +182,14 @@ def _timings(codes, descales, values, backend: str, causal: bool, call=None) -> 
 
 def measure(fns: dict[str, Callable[[], object]], load: bool) -> tuple[dict[str, float], dict[str, float] | None]:
     """Median seconds of each call quiet, and of qfa and fp32 SDPA with one core busy (``load``)."""
-    quiet = {name: _time(fn) for name, fn in fns.items()}
+    quiet = _medians(fns)
     if not load:
         return quiet, None
     # The loop outlives the measurement only by a margin, and stops by itself if we die.
     loop = busy_loop(10 * (quiet["qfa"] + quiet["fp32"]) + 30)
     try:
         time.sleep(0.1)
-        return quiet, {name: _time(fns[name]) for name in ("qfa", "fp32")}
+        return quiet, _medians({name: fns[name] for name in ("qfa", "fp32")})
     finally:
         loop.terminate()
         loop.wait()

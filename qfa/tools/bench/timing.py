@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 
 def median_seconds(fn: Callable[[], object], *, min_runs: int = 5, min_total: float = 0.2, max_runs: int = 50) -> float:
@@ -16,6 +16,30 @@ def median_seconds(fn: Callable[[], object], *, min_runs: int = 5, min_total: fl
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(fns: Mapping[str, Callable[[], object]], *, min_runs: int = 5, min_total: float = 0.2,
+                        max_runs: int = 50) -> dict[str, float]:
+    """Median wall time of each call, timed in turns (one call of each per round, after one
+    warm-up call of each): a shared host's slow minutes then fall on every call alike, so the
+    ratios of the medians hold even where the absolute times drift. Rounds run until there are
+    ``min_runs`` and the rounds took ``min_total`` seconds, or ``max_runs``."""
+    if not fns:
+        raise ValueError("expected at least one call to time, got none")
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    total = 0.0
+    rounds = 0
+    while rounds < min_runs or (total < min_total and rounds < max_runs):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            times[name].append(elapsed)
+            total += elapsed
+        rounds += 1
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
