@@ -106,8 +106,8 @@ def test_speed_verdict():
 
 @pytest.fixture
 def fake_clock(monkeypatch):
-    """``interleaved_medians`` replaced by a clock that runs nothing: each row's three timings
-    (qfa, fp32 SDPA, bf16 SDPA) come from ``times[seq]``, one per call timed, in order."""
+    """``median_seconds`` and ``interleaved_medians`` replaced by a clock that runs nothing: each
+    row's three timings (qfa, fp32 SDPA, bf16 SDPA) come from ``times[seq]``, one per call timed."""
     times: dict[int, tuple[float, float, float]] = {}
     pending: list[float] = []
 
@@ -121,12 +121,24 @@ def fake_clock(monkeypatch):
         return {name: next_time() for name in fns}
 
     fake_medians.seqs = []
-    monkeypatch.setattr(bench_attention, "interleaved_medians", fake_medians)
+    fake_medians.used = set()
+
+    def fake_in_turns(fns, **kwargs):
+        fake_medians.used.add("in turns")
+        return fake_medians(fns)
+
+    def fake_median(fn, **kwargs):
+        fake_medians.used.add("one after the other")
+        return next_time()
+
+    monkeypatch.setattr(bench_attention, "interleaved_medians", fake_in_turns)
+    monkeypatch.setattr(bench_attention, "median_seconds", fake_median)
 
     def use(table: dict[int, tuple[float, float, float]], seqs: list[int]) -> None:
         times.update(table)
         fake_medians.seqs[:] = list(seqs)
 
+    use.used = fake_medians.used
     return use
 
 
@@ -165,13 +177,16 @@ def test_speed_rows_count_only_long_sequences_toward_the_target(fake_clock):
     assert ratios == pytest.approx([0.8, 1.5])  # S = 64 is below the target's minimum
 
 
-def test_bench_attention_run_prints_the_verdict(fake_clock, capsys):
+@pytest.mark.parametrize("in_turns", [False, True], ids=["one-after-the-other", "in-turns"])
+def test_bench_attention_run_prints_the_verdict(fake_clock, capsys, monkeypatch, in_turns):
     parser = argparse.ArgumentParser()
     bench_attention.add_arguments(parser)
+    monkeypatch.setitem(bench_attention.TIMING, "in_turns", False)
     args = parser.parse_args(["--heads", "2:1", "--seqs", "64,2048", "--memory-seq", "0", "--accuracy-seq", "0",
-                              "--decode-skv", "0"])
+                              "--decode-skv", "0"] + (["--in-turns"] if in_turns else []))
     fake_clock({64: (0.5, 0.1, 0.2), 2048: (0.3, 0.2, 0.4)}, [64, 2048])
     assert bench_attention.run(args) == 0
+    assert fake_clock.used == {"in turns" if in_turns else "one after the other"}
     out = capsys.readouterr().out
     assert bench_attention.speed_verdict([1.5]) in out  # only S = 2048 counts
     assert "peak memory" not in out and "accuracy" not in out

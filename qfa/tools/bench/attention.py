@@ -4,8 +4,8 @@ The header names the CPU, the ISA extensions that matter to the kernels (AVX2, A
 AVX512_BF16, AMX) and the code path that ran (the native CPU kernel or the pure-torch path).
 Speed: causal prefill, B=1, D=128, and decode-shaped calls (Sq = 1 or 16 new tokens against a
 long KV, B = 1 or 8, no mask), against ``scaled_dot_product_attention`` on the dequantised fp32
-and bf16 tensors, timed in turns in the same run (median of rounds). ``--load`` measures the
-same rows again while a busy-loop process occupies one core (it stops by itself), beside SDPA under the
+and bf16 tensors, measured in the same run (median of runs; ``--in-turns``: of rounds of one
+call each). ``--load`` measures the same rows again while a busy-loop process occupies one core (it stops by itself), beside SDPA under the
 same load. Memory: peak RSS growth of one call at S=16384 in a fresh process. Accuracy: error
 against exact fp32 attention on the original (unquantised) inputs, for HiF8 and for a
 per-tensor FP8 E4M3 emulation.
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qfa.tools.bench import scaled_inputs
-from qfa.tools.bench.timing import interleaved_medians, markdown_table
+from qfa.tools.bench.timing import interleaved_medians, markdown_table, median_seconds
 from qfa.tools.metrics import error_metrics
 from qfa.tools.workloads import head_pairs
 
@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-sq", type=lambda s: [int(x) for x in s.split(",")], default=list(DECODE_SQ))
     parser.add_argument("--load", action="store_true",
                         help="also time every row while a busy-loop process occupies one core")
+    parser.add_argument("--in-turns", action="store_true",
+                        help="time each row's calls in turns (one of each per round) instead of one after the other")
     parser.add_argument("--quant-mode", type=int, choices=QUANT_MODES, default=0,
                         help="0 HiF8 per-tensor (default), 1 MXFP8, 6 FP8 per-token-head: the op's mode timed")
 
@@ -140,16 +142,23 @@ def quantised_decode_inputs(batch: int, heads_q: int, heads_kv: int, seq_q: int,
     return codes, descales, values
 
 
-#: Timed rounds per row (qfa and the SDPA calls in turns): at least MIN_RUNS, and more until the
-#: rounds took MIN_TOTAL_SECONDS (at most MAX_RUNS): a decode row takes about a millisecond, and
-#: the median of 3 of those moved by 2x from run to run on a shared host.
+#: Timed runs per call: at least MIN_RUNS, and more until MIN_TOTAL_SECONDS (at most MAX_RUNS):
+#: a decode row takes about a millisecond, and the median of 3 of those moved by 2x from run to
+#: run on a shared host, while a prefill row of a second needs no more than 3.
 MIN_RUNS = 3
-MIN_TOTAL_SECONDS = 0.6
+MIN_TOTAL_SECONDS = 0.3
 MAX_RUNS = 300
+#: ``--in-turns``: each row's calls timed in turns (one of each per round) rather than one after
+#: the other. Slow minutes of a shared host then fall on every call alike; but each call also
+#: starts with the caches the others left (for decode, the cold KV a model's layer sees).
+TIMING = {"in_turns": False}
 
 
 def _medians(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    return interleaved_medians(fns, min_runs=MIN_RUNS, min_total=MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
+    if TIMING["in_turns"]:
+        return interleaved_medians(fns, min_runs=MIN_RUNS, min_total=2 * MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
+    return {name: median_seconds(fn, min_runs=MIN_RUNS, min_total=MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
+            for name, fn in fns.items()}
 
 
 def row_timings(quant_mode: int, batch: int, heads_q: int, heads_kv: int, seq_q: int, seq_kv: int, backend: str,
@@ -361,6 +370,7 @@ def accuracy_rows(seq: int) -> list[list[str]]:
 def run(args: argparse.Namespace) -> int:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     mode = args.quant_mode
+    TIMING["in_turns"] = args.in_turns
     print(f"quant_flash_attn ({QUANT_MODES[mode]}, quant_mode {mode}, D=128) vs SDPA on the dequantised inputs; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend={args.backend}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
