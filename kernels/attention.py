@@ -114,14 +114,15 @@ def _specials_over_visible(pv, p8, v, visible, BLOCK_N: tl.constexpr):
 @triton.jit
 def _attention_rows(
     q_base, k_base, v_base, out_base, lse_base, lut_ptr, table_base,
-    row0, q_len, kv_len, rows_b, dscale, ln_p, v_descale, page,
+    row0, q_len, kv_len, rows_b, dscale, ln_p, v_descale, page, stc,
     sqs, sqd, skb, sks, skd, svb, svs, svd, sos, sod, sls,
     SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Attention for query rows ``row0 .. row0 + SUB_M`` of one (batch, q head); stores them.
-    ``PAGED``: key j is at block ``table_base[j // page]``, position ``j % page`` (``skb`` /
-    ``svb`` are the block strides); otherwise at ``j * sks`` from ``k_base``."""
+    ``PAGED``: key j is at block ``table_base[(j // page) * stc]`` (``stc``: the table's column
+    stride), position ``j % page`` (``skb`` / ``svb`` are the block strides); otherwise at
+    ``j * sks`` from ``k_base``."""
     rows = row0 + tl.arange(0, SUB_M)
     dims = tl.arange(0, HEAD_DIM)
     rows_f = rows.to(tl.float32)
@@ -149,7 +150,7 @@ def _attention_rows(
         cols_f = cols.to(tl.float32)
         key_ok = cols_f < kv_len
         if PAGED:
-            phys = tl.load(table_base + cols // page, mask=key_ok, other=0).to(tl.int64)
+            phys = tl.load(table_base + (cols // page) * stc, mask=key_ok, other=0).to(tl.int64)
             k_off = phys * skb + (cols % page) * sks
             v_off = phys * svb + (cols % page) * svs
         else:
@@ -194,7 +195,7 @@ def _attention_rows(
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, lut_ptr, scalars_ptr, seq_ptr, table_ptr,
-    batch, heads_q, group, n_tiles, page, stt,
+    batch, heads_q, group, n_tiles, page, stt, stc,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod, slb, slh, sls,
     BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, PAGED: tl.constexpr,
@@ -234,7 +235,7 @@ def _attention_kernel(
             for sub in tl.static_range(BLOCK_M // SUB_M):
                 _attention_rows(
                     q_base, k_base, v_base, out_base, lse_base, lut_ptr, table_base,
-                    m0 + sub * SUB_M, q_len, kv_len, rows_b, dscale, ln_p, v_descale, page,
+                    m0 + sub * SUB_M, q_len, kv_len, rows_b, dscale, ln_p, v_descale, page, stc,
                     sqs, sqd, skb, sks, skd, svb, svs, svd, sos, sod, sls,
                     SUB_M, BLOCK_N, HEAD_DIM, CAUSAL, RETURN_LSE, PAGED,
                 )
@@ -272,7 +273,7 @@ def forward(
     _attention_kernel[plan.grid](
         q, k, v, out.view(torch.int16), lse if plan.return_lse else out, lut, scalars, plan.seq_table,
         block_table if plan.paged else plan.seq_table,
-        plan.batch, plan.heads_q, plan.group, plan.n_tiles, max(plan.block_size, 1), plan.table_stride,
+        plan.batch, plan.heads_q, plan.group, plan.n_tiles, max(plan.block_size, 1), *plan.table_strides,
         *plan.strides_q, *plan.strides_kv, *plan.strides_v, *plan.out_strides,
         *(plan.lse_strides if plan.return_lse else (0, 0, 0)),
         BLOCK_M=plan.block_m, SUB_M=min(opts.sub_m, plan.block_m), BLOCK_N=plan.block_n, HEAD_DIM=plan.head_dim,

@@ -139,10 +139,11 @@ def e4m3_round_sat(x):
 
 
 @triton.jit
-def _key_place(table_base, cols, key_ok, page, PAGED: tl.constexpr):
-    """(physical block int64, position in it) of keys ``cols``; unpaged: (0, cols)."""
+def _key_place(table_base, cols, key_ok, page, stc, PAGED: tl.constexpr):
+    """(physical block int64, position in it) of keys ``cols``; unpaged: (0, cols). ``stc``:
+    the block table's column stride."""
     if PAGED:
-        phys = tl.load(table_base + cols // page, mask=key_ok, other=0).to(tl.int64)
+        phys = tl.load(table_base + (cols // page) * stc, mask=key_ok, other=0).to(tl.int64)
         pos = cols % page
     else:
         phys = tl.zeros(cols.shape, dtype=tl.int64)
@@ -152,7 +153,7 @@ def _key_place(table_base, cols, key_ok, page, PAGED: tl.constexpr):
 
 @triton.jit
 def _scores(
-    q, q_scale, k_base, ks_base, table_base, j0, kv_len, last, page, dims, d_ok,
+    q, q_scale, k_base, ks_base, table_base, j0, kv_len, last, page, stc, dims, d_ok,
     skb, sks, skd, ksb, kss, ksp, ks2,
     CHUNK: tl.constexpr, MODE: tl.constexpr, PAGED: tl.constexpr,
 ):
@@ -162,7 +163,7 @@ def _scores(
     cols = j0 + tl.arange(0, CHUNK)
     cols_f = cols.to(tl.float32)
     key_ok = cols_f < kv_len
-    phys, pos = _key_place(table_base, cols, key_ok, page, PAGED)
+    phys, pos = _key_place(table_base, cols, key_ok, page, stc, PAGED)
     kt_codes = tl.load(k_base + dims[:, None] * skd + (phys * skb + pos * sks)[None, :],
                        mask=d_ok[:, None] & key_ok[None, :], other=0)
     kt = _e4m3_value(kt_codes)  # (D_PAD, CHUNK)
@@ -180,7 +181,7 @@ def _scores(
 
 @triton.jit
 def _p_times_v(
-    p, v_base, vs_base, table_base, j0, kv_len, last, page, dims, d_ok, v_scale,
+    p, v_base, vs_base, table_base, j0, kv_len, last, page, stc, dims, d_ok, v_scale,
     svb, svs, svd, vsb, vsr, vsc, vs2,
     CHUNK: tl.constexpr, MODE: tl.constexpr, PAGED: tl.constexpr,
 ):
@@ -188,7 +189,7 @@ def _p_times_v(
     cols = j0 + tl.arange(0, CHUNK)
     cols_f = cols.to(tl.float32)
     key_ok = cols_f < kv_len
-    phys, pos = _key_place(table_base, cols, key_ok, page, PAGED)
+    phys, pos = _key_place(table_base, cols, key_ok, page, stc, PAGED)
     v_codes = tl.load(v_base + (phys * svb + pos * svs)[:, None] + dims[None, :] * svd,
                       mask=key_ok[:, None] & d_ok[None, :], other=0)
     v = _e4m3_value(v_codes)  # (CHUNK, D_PAD)
@@ -212,7 +213,7 @@ def _p_times_v(
 @triton.jit
 def _attention_rows(
     q_base, qs_base, k_base, ks_base, v_base, vs_base, out_base, lse_base, table_base,
-    row0, q_len, kv_len, rows_b, dscale, ln_p, v_scale, page,
+    row0, q_len, kv_len, rows_b, dscale, ln_p, v_scale, page, stc,
     sqs, sqd, qst, qsp, qs2, skb, sks, skd, ksb, kss, ksp, ks2,
     svb, svs, svd, vsb, vsr, vsc, vs2, sos, sod, sls,
     SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -255,14 +256,14 @@ def _attention_rows(
     acc = tl.zeros([SUB_M, D_PAD], dtype=tl.float32)
     for j0 in range(0, kv_hi, BLOCK_N):
         if CHUNK == BLOCK_N:
-            s = _scores(q, q_scale, k_base, ks_base, table_base, j0, kv_len, last, page, dims, d_ok,
+            s = _scores(q, q_scale, k_base, ks_base, table_base, j0, kv_len, last, page, stc, dims, d_ok,
                         skb, sks, skd, ksb, kss, ksp, ks2, CHUNK, MODE, PAGED)
             block_max = tl.max(s, 1)
         else:  # first pass: the row max of the whole block
             block_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
             for c0 in range(0, BLOCK_N, CHUNK):
                 if j0 + c0 < kv_hi:
-                    s_c = _scores(q, q_scale, k_base, ks_base, table_base, j0 + c0, kv_len, last, page, dims,
+                    s_c = _scores(q, q_scale, k_base, ks_base, table_base, j0 + c0, kv_len, last, page, stc, dims,
                                   d_ok, skb, sks, skd, ksb, kss, ksp, ks2, CHUNK, MODE, PAGED)
                     block_max = tl.maximum(block_max, tl.max(s_c, 1))
         m_new = tl.maximum(m_i, block_max * dscale - ln_p)
@@ -272,7 +273,7 @@ def _attention_rows(
         if CHUNK == BLOCK_N:
             p = tl.exp(s * dscale - m_safe[:, None])
             l_i = alpha * l_i + tl.sum(p, 1)
-            pv = _p_times_v(p, v_base, vs_base, table_base, j0, kv_len, last, page, dims, d_ok, v_scale,
+            pv = _p_times_v(p, v_base, vs_base, table_base, j0, kv_len, last, page, stc, dims, d_ok, v_scale,
                             svb, svs, svd, vsb, vsr, vsc, vs2, CHUNK, MODE, PAGED)
             acc = acc * alpha[:, None] + pv
         else:  # second pass: P and P8 @ V of each chunk with the block's max
@@ -280,11 +281,11 @@ def _attention_rows(
             acc = acc * alpha[:, None]
             for c0 in range(0, BLOCK_N, CHUNK):
                 if j0 + c0 < kv_hi:
-                    s_c = _scores(q, q_scale, k_base, ks_base, table_base, j0 + c0, kv_len, last, page, dims,
+                    s_c = _scores(q, q_scale, k_base, ks_base, table_base, j0 + c0, kv_len, last, page, stc, dims,
                                   d_ok, skb, sks, skd, ksb, kss, ksp, ks2, CHUNK, MODE, PAGED)
                     p = tl.exp(s_c * dscale - m_safe[:, None])
                     l_i += tl.sum(p, 1)
-                    acc += _p_times_v(p, v_base, vs_base, table_base, j0 + c0, kv_len, last, page, dims, d_ok,
+                    acc += _p_times_v(p, v_base, vs_base, table_base, j0 + c0, kv_len, last, page, stc, dims, d_ok,
                                       v_scale, svb, svs, svd, vsb, vsr, vsc, vs2, CHUNK, MODE, PAGED)
         m_i = m_new
 
@@ -302,7 +303,7 @@ def _attention_rows(
 @triton.jit
 def _scaled_attention_kernel(
     q_ptr, k_ptr, v_ptr, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, scalars_ptr, seq_ptr, table_ptr, vrow_ptr,
-    batch, heads_q, group, n_tiles, page, stt,
+    batch, heads_q, group, n_tiles, page, stt, stc,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod, slb, slh, sls,
     qsn, qsg, qst, qsp, qs2, ksb, ksh, kss, ksp, ks2, vsb, vsh, vsr, vsc, vs2,
     BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
@@ -355,7 +356,7 @@ def _scaled_attention_kernel(
             for sub in tl.static_range(BLOCK_M // SUB_M):
                 _attention_rows(
                     q_base, qs_base, k_base, ks_base, v_base, vs_base, out_base, lse_base, table_base,
-                    m0 + sub * SUB_M, q_len, kv_len, rows_b, dscale, ln_p, v_scale, page,
+                    m0 + sub * SUB_M, q_len, kv_len, rows_b, dscale, ln_p, v_scale, page, stc,
                     sqs, sqd, qst, qsp, qs2, skb, sks, skd, ksb, kss, ksp, ks2,
                     svb, svs, svd, vsb, vsr, vsc, vs2, sos, sod, sls,
                     SUB_M, BLOCK_N, CHUNK, HEAD_DIM, D_PAD, MODE, CAUSAL, RETURN_LSE, PAGED,
@@ -445,7 +446,7 @@ def forward(
         _bytes(q), _bytes(k), _bytes(v), _bytes(q_descale), _bytes(k_descale), _bytes(v_descale),
         out.view(torch.int16), lse if plan.return_lse else out, scalars, plan.seq_table,
         block_table if plan.paged else plan.seq_table, vrow,
-        plan.batch, plan.heads_q, plan.group, plan.n_tiles, max(plan.block_size, 1), plan.table_stride,
+        plan.batch, plan.heads_q, plan.group, plan.n_tiles, max(plan.block_size, 1), *plan.table_strides,
         *plan.strides_q, *plan.strides_kv, *plan.strides_v, *plan.out_strides,
         *(plan.lse_strides if plan.return_lse else (0, 0, 0)),
         *_descale_strides(plan, q_descale, k_descale, v_descale),

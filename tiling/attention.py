@@ -263,7 +263,9 @@ class AttentionPlan:
     block_size: int = 0
     num_blocks: int = 0
     table_width: int = 0
-    table_stride: int = 0
+    #: (row, column) element strides of block_table: a table is read through them like every other
+    #: tensor, so a transposed, step-sliced or expanded view reads the blocks it names.
+    table_strides: tuple[int, int] = (0, 0)
 
     @property
     def paged(self) -> bool:
@@ -434,7 +436,7 @@ def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bo
         n_tiles=n_tiles,
         torch_rows=torch_tile_rows(meta.heads_q // meta.heads_kv),
         layout_kv=meta.layout_kv, block_size=ks["s"] if paged else 0, num_blocks=ks["blk"] if paged else 0,
-        table_width=width, table_stride=block_table.stride(0) if paged else 0,
+        table_width=width, table_strides=tuple(block_table.stride()) if paged else (0, 0),
     )
 
 

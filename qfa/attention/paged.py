@@ -39,5 +39,5 @@ def contiguous(plan: AttentionPlan, k: torch.Tensor, v: torch.Tensor,
     strides = tuple(out[0].stride())
     flat_plan = dataclasses.replace(plan, strides_kv=strides, strides_v=strides, kv_starts=(0,) * plan.batch,
                                     layout_kv=plan.layout, block_size=0, num_blocks=0, table_width=0,
-                                    table_stride=0)
+                                    table_strides=(0, 0))
     return flat_plan, out[0], out[1]
