@@ -1,0 +1,274 @@
+"""qfa's attention backend for vLLM: a HiF8 KV cache in vLLM's paged cache, read in place.
+
+vLLM allocates each layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * 128]`` bytes
+(``kv_cache_dtype="fp8"``: ``torch.uint8``), CPU_ATTN's layout: per block and kv head, the
+block's 128-byte keys, then its 128-byte values. This backend keeps that layout and fills it
+with HiF8 codes:
+
+* ``do_kv_cache_update`` prepares the step's new keys and values with the layer's frozen state
+  (:class:`~qfa.integrations.vllm.layer_state.LayerState`: the K mean subtracted, the Hadamard
+  rotation, the K/V scales; from the calibration file, or fixed by the first tokens written)
+  and writes their codes at ``slot_mapping``. Values beyond a scale saturate and are counted.
+* ``forward`` rotates and quantises the step's queries (one per-tensor scale per call, from the
+  calibration rule; the same on every tensor-parallel rank) and runs the whole batch, prefill
+  chunks and decodes alike, as **one** ``quant_flash_attn`` call: TND queries delimited by
+  ``query_start_loc``, K and V as ``PA_BNBD`` views of the cache read through ``block_table``
+  and ``seq_lens``, causal aligned bottom-right, GQA. The cache is never gathered, copied or
+  dequantised. The output is rotated back and written into vLLM's output buffer in the model's
+  dtype (fp32, bf16 or fp16).
+
+The op is planned once per step by the metadata builder, and every layer of the step reuses the
+plan. ``attn_metadata`` is None in vLLM's profiling run: the backend then writes nothing and
+fixes no state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from qfa.attention import calibration as cal
+from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
+from qfa.integrations.vllm import calibration_file
+from qfa.integrations.vllm import options as opts
+from qfa.integrations.vllm.layer_state import LayerState, measured_scale
+from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode
+
+logger = logging.getLogger("vllm.qfa")  # under vLLM's logger: its handler prints it
+
+#: Block sizes the op's paged layouts take: multiples of 16 (up to 1024).
+BLOCK_MULTIPLE = 16
+
+
+class QfaHiF8Backend(AttentionBackend):
+    """vLLM attention backend: HiF8 KV cache, ``quant_flash_attn`` on the native CPU kernel."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [opts.VLLM_CACHE_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return opts.VLLM_BACKEND  # vLLM looks the name up in its enum
+
+    @staticmethod
+    def get_impl_cls() -> type["QfaHiF8Impl"]:
+        return QfaHiF8Impl
+
+    @staticmethod
+    def get_builder_cls() -> type["QfaMetadataBuilder"]:
+        return QfaMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [HEAD_DIM]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(BLOCK_MULTIPLE)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple:
+        return (KVCacheLayout.LBHNC,)  # CPU_ATTN's: head-major block interiors
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+
+@dataclass
+class QfaMetadata:
+    """One step's batch, as the op takes it (shared by every layer of the step)."""
+
+    num_actual_tokens: int
+    cu_seqlens_q: torch.Tensor  # int32 (B + 1,)
+    seqused_kv: torch.Tensor  # int32 (B,)
+    block_table: torch.Tensor  # int32 (B, max blocks)
+    slot_mapping: torch.Tensor
+    plan: object
+
+
+class QfaMetadataBuilder(AttentionMetadataBuilder[QfaMetadata]):
+    """Builds :class:`QfaMetadata` once per step and plans the op for it."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
+
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.num_heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
+                          or vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config))
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> QfaMetadata:
+        m = common_attn_metadata
+        cu = m.query_start_loc_cpu.to(torch.int32)
+        seqused = m.seq_lens.to(torch.int32)
+        plan = quant_flash_attn_metadata(self.num_heads, self.num_kv_heads, layout_q="TND", layout_kv="PA_BNBD",
+                                         layout_out="TND", cu_seqlens_q=cu, seqused_kv=seqused,
+                                         mask_mode=MaskMode.CAUSAL)
+        return QfaMetadata(m.num_actual_tokens, cu, seqused, m.block_table_tensor.to(torch.int32), m.slot_mapping,
+                           plan)
+
+
+def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)``: PA_BNBD views (num_blocks, Nkv, block_size, 128) of a layer's cache tensor
+    ``[num_blocks, Nkv, block_size, 2 * 128]`` (per block and head: its keys, then its values)."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * HEAD_DIM:
+        raise ValueError(f"kv_cache must be uint8 [num_blocks, num_kv_heads, block_size, {2 * HEAD_DIM}] (vLLM's "
+                         f"fp8 cache), got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    blocks, heads, block_size, _ = kv_cache.shape
+    halves = kv_cache.view(blocks, heads, 2, block_size, HEAD_DIM)
+    return halves[:, :, 0], halves[:, :, 1]
+
+
+def _tp_group():
+    """vLLM's tensor-parallel CPU group, or None with one rank (or outside an engine)."""
+    try:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+    except (AssertionError, ImportError):
+        return None
+    return group.cpu_group if group.world_size > 1 else None
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, ImportError):
+        return 0, 1
+
+
+class QfaHiF8Impl(AttentionImpl):
+    """One layer's attention on HiF8 codes (see the module docstring)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: Optional[list[float]], sliding_window: Optional[int], kv_cache_dtype: str,
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, **extra) -> None:
+        unsupported = [name for name, given in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                                                 ("logits_soft_cap", logits_soft_cap), ("sinks", extra.get("sinks")))
+                       if given is not None]
+        if head_size != HEAD_DIM or attn_type != AttentionType.DECODER or unsupported:
+            # the platform hands such layers to CPU_ATTN before they get here; reaching this means
+            # the model has a feature its config does not show
+            raise ValueError(f"qfa's HiF8 backend cannot run this layer (head_size {head_size}, attn_type {attn_type}, "
+                             f"{unsupported or 'no unsupported options'}); qfa hands back layers with head size != "
+                             f"{HEAD_DIM}, sliding windows, sinks, ALiBi or soft caps that the model config declares")
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        from vllm.config import get_current_vllm_config
+
+        self.options = opts.from_vllm_config(get_current_vllm_config()) or opts.Options()
+        self.rule = cal.get_rule(self.options.rule)
+        self.state: Optional[LayerState] = None
+        self._calibration = calibration_file.load_optional(self.options.calibration_file)
+        self._warned_saturation = 0
+
+    # ------------------------------------------------------------------ the layer's state
+
+    def _layer_state(self, layer, key: torch.Tensor, value: torch.Tensor) -> LayerState:
+        """The frozen state, made on the first real write: from the file, or measured on these
+        tokens (all-reduced across tensor-parallel ranks, so every rank fixes the same scales)."""
+        if self.state is not None:
+            return self.state
+        if self._calibration is not None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            rank, size = _tp_rank_size()
+            heads = calibration_file.rank_heads(self._calibration.shape.num_kv_heads, size, rank)
+            state = self._calibration.layer_state(extract_layer_index(layer.layer_name), heads, key.device)
+        else:
+            state = LayerState.measure(key, value, self.options.transform, self.rule, _tp_group())
+            logger.info("qfa: %s fixed its HiF8 scales from its first %d tokens: k_scale %g, v_scale %g",
+                        getattr(layer, "layer_name", "a layer"), key.shape[0], float(state.k_scale),
+                        float(state.v_scale))
+        self.state = state
+        return state
+
+    def _count_saturated(self, layer, count: torch.Tensor) -> None:
+        state = self.state
+        n = int(count)
+        if n == 0:
+            return
+        state.saturated += n
+        if state.saturated >= 2 * self._warned_saturation:  # each doubling, not every token
+            self._warned_saturation = max(state.saturated, 1)
+            logger.warning("qfa: %s has clamped %d K/V values to HiF8's largest magnitude so far (scales k %g, v %g); "
+                           "a calibration file (qfa calibrate) fixes scales on representative text",
+                           getattr(layer, "layer_name", "a layer"), state.saturated, float(state.k_scale),
+                           float(state.v_scale))
+
+    # ------------------------------------------------------------------ vLLM's calls
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if get_forward_context().attn_metadata is None:  # profiling run: dummy tokens
+            return
+        tokens = slot_mapping.shape[0]
+        key, value = key[:tokens], value[:tokens]
+        real = slot_mapping >= 0  # vLLM pads a batch with slot -1
+        if not bool(real.all()):
+            key, value, slot_mapping = key[real], value[real], slot_mapping[real]
+        if key.shape[0] == 0:
+            return
+        state = self._layer_state(layer, key, value)
+        k_codes, k_sat = state.encode_keys(key)
+        v_codes, v_sat = state.encode_values(value)
+        k_cache, v_cache = cache_views(kv_cache)
+        block_size = k_cache.shape[2]
+        slots = slot_mapping.long()
+        blocks, offsets = slots // block_size, slots % block_size
+        k_cache[blocks, :, offsets] = k_codes
+        v_cache[blocks, :, offsets] = v_codes
+        self._count_saturated(layer, k_sat + v_sat)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Optional[QfaMetadata], output: Optional[torch.Tensor] = None,
+                output_scale: Optional[torch.Tensor] = None, output_block_scale: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("qfa's HiF8 backend does not fuse output quantisation")
+        if attn_metadata is None:  # profiling run
+            return output
+        n = attn_metadata.num_actual_tokens
+        state = self.state
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        if state is None:  # no key written yet (every sequence empty): nothing to attend to
+            out.zero_()
+            return output
+        q = state.transform.rotated(query[:n].view(n, self.num_heads, self.head_size))
+        q_scale = measured_scale(q, self.rule, "query", _tp_group())
+        k_cache, v_cache = cache_views(kv_cache)
+        o, _ = quant_flash_attn(
+            cal.quantize(q, q_scale), k_cache, v_cache, q_scale, state.k_scale, state.v_scale,
+            QuantMode.HIF8_PER_TENSOR, block_table=attn_metadata.block_table, cu_seqlens_q=attn_metadata.cu_seqlens_q,
+            seqused_kv=attn_metadata.seqused_kv, metadata=attn_metadata.plan, softmax_scale=self.scale,
+            mask_mode=MaskMode.CAUSAL, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
+        )
+        out.copy_(state.transform.rotated(o) if state.transform.rotate else o)
+        return output
