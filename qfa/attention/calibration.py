@@ -282,11 +282,26 @@ def get_rule(calibration: RuleLike | None) -> Rule:
     raise TypeError(f"calibration must be a rule name (str) or a callable, got {type(calibration).__name__}")
 
 
-def compute_scale(x: torch.Tensor, calibration: RuleLike | None = None) -> torch.Tensor:
-    """fp32 scale of shape (1,) for ``x`` by the named rule (default :data:`DEFAULT_RULE`)."""
-    rule = get_rule(calibration)
-    scale = rule(x)
-    return check_scale(scale, "scale returned by the calibration rule")
+def apply_rule(rule: Rule, x: torch.Tensor, name: str) -> torch.Tensor:
+    """``rule(x)`` checked as a scale, its errors naming ``x`` as the caller knows it (``name``).
+
+    A rule names its own parameter (``x contains NaN or Inf``), which the caller of a cache or
+    of the drop-in never passed; NaN or Inf is what makes the built-in rules raise, so when a
+    rule raises ValueError on a non-finite ``x`` the error names ``name`` instead. The
+    finiteness is looked at only then: the happy path costs the rule alone."""
+    try:
+        scale = rule(x)
+    except ValueError:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            check_finite(x, name)
+        raise
+    return check_scale(scale, f"{name} scale from the calibration rule")
+
+
+def compute_scale(x: torch.Tensor, calibration: RuleLike | None = None, *, name: str = "x") -> torch.Tensor:
+    """fp32 scale of shape (1,) for ``x`` by the named rule (default :data:`DEFAULT_RULE`);
+    errors call ``x`` ``name`` (the caller's name for it)."""
+    return apply_rule(get_rule(calibration), x, name)
 
 
 def sharded_scale(rule: Rule, part: torch.Tensor, name: str, process_group: distributed.ProcessGroup,
@@ -313,19 +328,27 @@ def sharded_scale(rule: Rule, part: torch.Tensor, name: str, process_group: dist
 def check_scale(scale, name: str = "scale", device: torch.device | None = None) -> torch.Tensor:
     """``scale`` as a positive, finite fp32 tensor of shape (1,); float/int accepted."""
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        scale = torch.tensor([float(scale)], dtype=torch.float32, device=device)
+        # checked here, so a number is refused even for a meta device (where a tensor has no value);
+        # on the CPU unless told: a default device of meta (model building) must not swallow it
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be positive and finite, got {float(scale)}")
+        scale = torch.tensor([float(scale)], dtype=torch.float32, device="cpu" if device is None else device)
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{name} must be a float or an fp32 tensor of shape (1,), got {type(scale).__name__}")
     if scale.numel() != 1:
         raise ValueError(f"{name} must hold one value (shape (1,)), got shape {tuple(scale.shape)}")
     if not scale.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {scale.dtype}")
+    if scale.device.type == "meta" and (device is None or device.type != "meta"):
+        raise ValueError(f"{name} is on the meta device, which holds no value: pass a float or a tensor on "
+                         f"{'a real device' if device is None else device}")
     scale = scale.detach().reshape(1).float()
+    if scale.device.type != "meta":  # a meta scale of a meta call has no value to check (its outputs are meta)
+        value = float(scale)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be positive and finite, got {value}")
     if device is not None and scale.device != device:
         scale = scale.to(device)
-    value = float(scale)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be positive and finite, got {value}")
     return scale
 
 
