@@ -16,7 +16,7 @@ import torch
 from qfa.attention import calibration as cal
 from qfa.attention import distributed, dropin_scaled, rotation
 from qfa.attention.dropin_call import DropinCall
-from qfa.attention.dropin_inputs import check_length_values
+from qfa.attention.dropin_inputs import SCALE_NAMES, check_length_values
 from qfa.attention.op import Metadata, quant_flash_attn
 from qfa.attention.smoothing import lse_shift, prepare, valid_parts, valid_values
 from qfa.tiling.attention import lse_shape
@@ -36,7 +36,7 @@ def _scales(c: DropinCall, tensors, process_group: distributed.ProcessGroup | No
     for part, t, s, name, (used, cu) in zip(parts, tensors, (c.q_scale, c.k_scale, c.v_scale), ("q", "k", "v"),
                                             lengths):
         if s is not None:
-            out.append(cal.check_scale(s, f"{name}_scale", t.device))
+            out.append(cal.check_scale(s, SCALE_NAMES[name], t.device))
         elif process_group is None:
             cal.check_finite(part, name)  # before the rule, so the message names the tensor
             out.append(cal.check_scale(rule(part), f"{name} scale from calibration rule"))

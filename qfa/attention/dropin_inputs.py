@@ -55,9 +55,10 @@ def check_length_values(q, k, layout: str, cu_seqlens_q=None, cu_seqlens_kv=None
             checks.apply_seqused(lens, checks.int32_vector(used, name, len(lens)), name)
 
 
-def softmax_scale_value(softmax_scale) -> Optional[float]:
-    """``softmax_scale`` as a float (None stays None: the op's default 1/sqrt(D) applies)."""
-    return None if softmax_scale is None else checks.check_positive_float(softmax_scale, "softmax_scale")
+def softmax_scale_value(softmax_scale, name: str = "softmax_scale") -> Optional[float]:
+    """``softmax_scale`` as a float (None stays None: the op's default 1/sqrt(D) applies);
+    ``name``: what the caller called it (``scale`` for the deprecated alias)."""
+    return None if softmax_scale is None else checks.check_positive_float(softmax_scale, name)
 
 
 def p_scale_tensor(p_scale, device: torch.device) -> Optional[torch.Tensor]:
@@ -81,10 +82,17 @@ def scale_tensor(s, name: str, device: torch.device) -> Optional[torch.Tensor]:
     if isinstance(s, torch.Tensor):
         if s.numel() != 1 or not s.is_floating_point():
             raise ValueError(f"{name} must be a float or a floating tensor with one element, got {s.dtype} {tuple(s.shape)}")
+        if s.device.type == "meta" and device.type != "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no value, and q is on {device}: pass a "
+                             f"float or a tensor with a value")
         return s.reshape(1).to(device=device, dtype=torch.float32)
     if isinstance(s, bool) or not isinstance(s, (int, float)):
         raise TypeError(f"{name} must be None, a float or an fp32 tensor of shape (1,), got {type(s).__name__}")
     return cal.check_scale(s, name, device)
+
+
+#: What errors call the entries of ``scales=`` (the caller passed ``scales``, not ``q_scale``).
+SCALE_NAMES = {"q": "scales[0] (q_scale)", "k": "scales[1] (k_scale)", "v": "scales[2] (v_scale)"}
 
 
 def static_scales(scales: Optional[Sequence], device: torch.device) -> tuple[Optional[torch.Tensor], ...]:
@@ -93,7 +101,7 @@ def static_scales(scales: Optional[Sequence], device: torch.device) -> tuple[Opt
         return (None, None, None)
     if not isinstance(scales, (tuple, list)) or len(scales) != 3:
         raise TypeError(f"scales must be a tuple (q_scale, k_scale, v_scale); each may be None (computed), got {_describe(scales)}")
-    return tuple(scale_tensor(s, n, device) for s, n in zip(scales, ("q_scale", "k_scale", "v_scale")))
+    return tuple(scale_tensor(s, n, device) for s, n in zip(scales, SCALE_NAMES.values()))
 
 
 def _describe(value) -> str:
