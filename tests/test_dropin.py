@@ -524,14 +524,14 @@ def _good():
         (lambda q, k, v: (q, k, v), {"seqused_kv": torch.tensor([8, 8], dtype=torch.int32)}, ValueError,
          "seqused_kv must have shape"),
         (lambda q, k, v: (q, k, v), {"scales": (1.0, 1.0)}, TypeError, "scales must be a tuple"),
-        (lambda q, k, v: (q, k, v), {"scales": (1.0, -1.0, 1.0)}, ValueError, "k_scale"),
+        (lambda q, k, v: (q, k, v), {"scales": (1.0, -1.0, 1.0)}, ValueError, r"^scales\[1\] \(k_scale\) must be"),
         (lambda q, k, v: (q, k, v), {"p_scale": "x"}, TypeError, "p_scale"),
         (lambda q, k, v: (q, k, v), {"p_scale": -2.0}, ValueError, "^p_scale must be"),  # the op's rule
         (lambda q, k, v: (q, k, v), {"softmax_scale": torch.tensor(0.1)}, TypeError,
          "softmax_scale must be a Python float or None, got Tensor"),
         (lambda q, k, v: (q, k, v), {"return_softmax_lse": "no"}, TypeError, "return_softmax_lse must be a bool, got str"),
         (lambda q, k, v: (q, k, v), {"smooth_k": 1}, TypeError, "smooth_k must be a bool, got int"),
-        (lambda q, k, v: (q, k, v), {"return_lse": "no"}, TypeError, "return_softmax_lse must be a bool, got str"),
+        (lambda q, k, v: (q, k, v), {"return_lse": "no"}, TypeError, "^return_lse must be a bool, got str"),  # as passed
         (lambda q, k, v: (q, k, v), {"bogus": 1}, TypeError, "unexpected keyword argument 'bogus'"),
     ],
 )
@@ -698,8 +698,10 @@ def test_module_scales_at_construction_are_static_scales():
     assert HiF8Attention(static=True, scales=(1.0, 1.0, 1.0)).frozen  # static= still works with them
     with pytest.raises(TypeError, match="scales must be a tuple"):
         HiF8Attention(scales=(1.0, 1.0))
-    with pytest.raises(ValueError, match="k_scale must be positive and finite"):
+    with pytest.raises(ValueError, match=r"^scales\[1\] \(k_scale\) must be positive and finite"):
         HiF8Attention(scales=(1.0, -1.0, 1.0))
+    with pytest.raises(ValueError, match="^k_scale must be positive and finite"):
+        HiF8Attention().set_scales(1.0, -1.0, 1.0)
 
 
 def test_the_public_names_are_upstreams():

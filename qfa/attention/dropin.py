@@ -169,15 +169,29 @@ def hif8_attention(
     Works inside ``torch.compile(fullgraph=True)`` with a named calibration rule: the whole
     computation is then the custom op ``torch.ops.qfa.hif8_attention``.
     """
+    said = {}  # the drop-in's name -> the deprecated one the caller used
     if deprecated:
         named = take_deprecated(deprecated, {"softmax_scale": softmax_scale,
                                              "return_softmax_lse": return_softmax_lse}, "hif8_attention")
         softmax_scale, return_softmax_lse = named["softmax_scale"], named["return_softmax_lse"]
+        said = {DEPRECATED_NAMES[old]: old for old in deprecated}
+    return _attention(q, k, v, is_causal=is_causal, softmax_scale=softmax_scale, layout=layout,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
+                      seqused_kv=seqused_kv, calibration=calibration, smooth_k=smooth_k, p_scale=p_scale,
+                      scales=scales, return_softmax_lse=return_softmax_lse, backend=backend, rotate=rotate,
+                      metadata=metadata, process_group=process_group, format=format, said=said)
+
+
+def _attention(q, k, v, *, is_causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv,
+               calibration, smooth_k, p_scale, scales, return_softmax_lse, backend, rotate, metadata, process_group,
+               format, said: dict[str, str]):
+    """:func:`hif8_attention` after its deprecated names; ``said`` maps a parameter's name to
+    the one the caller used for it (``softmax_scale`` -> ``scale``), so errors use the latter."""
     format = dropin_inputs.check_format(format)
     dropin_inputs.check_qkv(q, k, v, layout, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, format=format)
     for flag, name in ((is_causal, "is_causal"), (smooth_k, "smooth_k"), (rotate, "rotate"),
                        (return_softmax_lse, "return_softmax_lse")):
-        check_bool(flag, name)
+        check_bool(flag, said.get(name, name))
     dropin_inputs.check_format_options(format, rotate=rotate, scales=scales, calibration=calibration,
                                        metadata=metadata)
     process_group = distributed.check_process_group(process_group)
@@ -188,7 +202,8 @@ def hif8_attention(
         q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         p_scale=dropin_inputs.p_scale_tensor(p_scale, q.device), cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv, is_causal=is_causal,
-        softmax_scale=dropin_inputs.softmax_scale_value(softmax_scale), layout=layout,
+        softmax_scale=dropin_inputs.softmax_scale_value(softmax_scale, said.get("softmax_scale", "softmax_scale")),
+        layout=layout,
         calibration=dropin_inputs.check_calibration(calibration), smooth_k=smooth_k,
         return_softmax_lse=return_softmax_lse, backend=backend, rotate=rotate, format=format,
     )
@@ -204,10 +219,11 @@ def hif8_attention(
                 "torch.ops.qfa.hif8_attention): call hif8_attention eagerly, or pass static scales=(q, k, v) "
                 "(e.g. a frozen HiF8Attention), which need no reduction"
             )
-        out, lse = torch.ops.qfa.hif8_attention(**call)
+        out, lse = torch.ops.qfa.hif8_attention(**call)  # its kernel words its errors (no alias under compile)
     else:
         run = dropin_eager.run if process_group is None else _run_sharded
-        out, lse = run(_D(**call), metadata=metadata, process_group=process_group)
+        with dropin_op.callers_words(said):
+            out, lse = run(_D(**call), metadata=metadata, process_group=process_group)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from qfa.attention import calibration as cal
 from qfa.attention import distributed, dropin_inputs
-from qfa.attention.dropin import hif8_attention, take_deprecated
+from qfa.attention.dropin import DEPRECATED_NAMES, _attention, take_deprecated
 from qfa.attention.dropin_call import DropinCall as _D
 from qfa.attention.smoothing import prepare, valid_parts
 from qfa.tiling.attention import LAYOUTS
@@ -82,6 +82,8 @@ class HiF8Attention(nn.Module):
         self.process_group = distributed.check_process_group(process_group)
         if deprecated:
             softmax_scale = take_deprecated(deprecated, {"softmax_scale": softmax_scale}, "HiF8Attention")["softmax_scale"]
+        # the deprecated spelling the caller used, if any: errors about the value use it
+        self._said = {DEPRECATED_NAMES[old]: old for old in deprecated}
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS} (shared by q, k, v and out), got {layout!r}")
         for flag, name in ((is_causal, "is_causal"), (smooth_k, "smooth_k"), (static, "static"), (rotate, "rotate")):
@@ -91,7 +93,8 @@ class HiF8Attention(nn.Module):
             self._check_has_per_tensor_scales("static=True")
         self.calibration = dropin_inputs.check_calibration(calibration)
         self.is_causal, self.layout = is_causal, layout
-        self.softmax_scale = dropin_inputs.softmax_scale_value(softmax_scale)
+        self.softmax_scale = dropin_inputs.softmax_scale_value(softmax_scale,
+                                                               self._said.get("softmax_scale", "softmax_scale"))
         self.smooth_k, self.p_scale, self.backend = smooth_k, p_scale, backend
         self.static, self.rotate = static, rotate
         for name in ("q_scale", "k_scale", "v_scale"):
@@ -102,7 +105,7 @@ class HiF8Attention(nn.Module):
         if scales is not None:
             if not isinstance(scales, (tuple, list)) or len(scales) != 3:
                 raise TypeError(f"scales must be a tuple (q_scale, k_scale, v_scale), got {type(scales).__name__}")
-            self.set_scales(*scales)
+            self._set_scales(scales, dropin_inputs.SCALE_NAMES.values())
 
     def _check_has_per_tensor_scales(self, what: str) -> None:
         if self.format != "hif8":
@@ -179,11 +182,16 @@ class HiF8Attention(nn.Module):
 
     def set_scales(self, q_scale, k_scale, v_scale) -> "HiF8Attention":
         """Set static scales by hand (positive floats or fp32 (1,) tensors) and switch to static mode."""
+        return self._set_scales((q_scale, k_scale, v_scale), ("q_scale", "k_scale", "v_scale"))
+
+    def _set_scales(self, scales, names) -> "HiF8Attention":
+        """:meth:`set_scales` with errors naming the scales as the caller passed them: all three
+        are checked before any buffer changes."""
         self._check_has_per_tensor_scales("set_scales() / scales=")
+        checked = [cal.check_scale(s, n) for s, n in zip(scales, names)]
         with torch.no_grad():
-            for buf, s, n in zip((self.q_scale, self.k_scale, self.v_scale), (q_scale, k_scale, v_scale),
-                                 ("q_scale", "k_scale", "v_scale")):
-                buf.copy_(cal.check_scale(s, n).to(buf.device))
+            for buf, s in zip((self.q_scale, self.k_scale, self.v_scale), checked):
+                buf.copy_(s.to(buf.device))
         self._has_scales = True
         self.static = True
         return self
@@ -195,9 +203,11 @@ class HiF8Attention(nn.Module):
         """:func:`hif8_attention` with this module's settings (``is_causal`` overrides its own for
         one call; ``metadata`` as there); ``return_lse=`` is a deprecated alias of
         ``return_softmax_lse=``."""
+        said = self._said
         if deprecated:
             return_softmax_lse = take_deprecated(deprecated, {"return_softmax_lse": return_softmax_lse},
                                                  "HiF8Attention.forward", stacklevel=5)["return_softmax_lse"]
+            said = {**said, **{DEPRECATED_NAMES[old]: old for old in deprecated}}
         if self.calibrating:
             self.observe(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                          seqused_q=seqused_q, seqused_kv=seqused_kv)
@@ -209,12 +219,12 @@ class HiF8Attention(nn.Module):
                     "pass scales= at construction, or load a state_dict with frozen scales"
                 )
             scales = (self.q_scale, self.k_scale, self.v_scale)
-        return hif8_attention(
+        return _attention(
             q, k, v, is_causal=self.is_causal if is_causal is None else is_causal, softmax_scale=self.softmax_scale,
             layout=self.layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q,
             seqused_kv=seqused_kv, calibration=self.calibration, smooth_k=self.smooth_k, p_scale=self.p_scale,
             scales=scales, return_softmax_lse=return_softmax_lse, backend=self.backend, rotate=self.rotate,
-            metadata=metadata, process_group=self.process_group, format=self.format,
+            metadata=metadata, process_group=self.process_group, format=self.format, said=said,
         )
 
 

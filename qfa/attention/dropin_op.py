@@ -11,15 +11,30 @@ fp32 tensor of shape (0,) when not requested.
 
 from __future__ import annotations
 
+from typing import ContextManager, Mapping
+
 import torch
 from torch import Tensor
 
-from qfa.attention import dropin_eager
+from qfa.attention import dropin_eager, wording
 from qfa.attention.dropin_call import OP_NAME, DropinCall, schema
+
+#: ``quant_flash_attn``'s names for the scales the drop-in computes or takes from ``scales=``,
+#: in the drop-in's words (its callers never pass a descale).
+OP_SCALE_NAMES = {"q_descale": "q_scale", "k_descale": "k_scale", "v_descale": "v_scale"}
+SCALES_NOTE = ("q_scale, k_scale, v_scale: the scales q, k and v are quantised with, given in scales= or computed "
+               "from them")
+
+
+def callers_words(said: Mapping[str, str] | None = None) -> ContextManager[None]:
+    """The drop-in's computation's errors in its caller's words: the op's descales under the
+    names of ``scales=``, and ``said``'s renames (a parameter -> the deprecated alias used)."""
+    return wording.callers_words({**OP_SCALE_NAMES, **(said or {})}, dict.fromkeys(OP_SCALE_NAMES, SCALES_NOTE))
 
 
 def _kernel(*args) -> tuple[Tensor, Tensor]:
-    out, lse = dropin_eager.run(DropinCall(*args))
+    with callers_words():
+        out, lse = dropin_eager.run(DropinCall(*args))
     return out.contiguous(), lse.contiguous()  # the fake promises contiguous outputs
 
 
