@@ -30,7 +30,7 @@ from typing import ClassVar, Optional
 
 import torch
 from vllm.config import VllmConfig
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -120,14 +120,18 @@ class QfaMetadataBuilder(AttentionMetadataBuilder[QfaMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> QfaMetadata:
-        m = common_attn_metadata
-        cu = m.query_start_loc_cpu.to(torch.int32)
-        seqused = m.seq_lens.to(torch.int32)
-        plan = quant_flash_attn_metadata(self.num_heads, self.num_kv_heads, layout_q="TND", layout_kv="PA_BNBD",
-                                         layout_out="TND", cu_seqlens_q=cu, seqused_kv=seqused,
-                                         mask_mode=MaskMode.CAUSAL)
-        return QfaMetadata(m.num_actual_tokens, cu, seqused, m.block_table_tensor.to(torch.int32), m.slot_mapping,
-                           plan)
+        return make_metadata(common_attn_metadata, self.num_heads, self.num_kv_heads)
+
+
+def make_metadata(common: CommonAttentionMetadata, num_heads: int, num_kv_heads: int) -> QfaMetadata:
+    """The step's :class:`QfaMetadata` from vLLM's common metadata: the op planned for the batch
+    (its lengths read on the host once, here, for every layer of the step)."""
+    cu = common.query_start_loc_cpu.to(torch.int32)
+    seqused = common.seq_lens.to(torch.int32)
+    plan = quant_flash_attn_metadata(num_heads, num_kv_heads, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
+                                     cu_seqlens_q=cu, seqused_kv=seqused, mask_mode=MaskMode.CAUSAL)
+    return QfaMetadata(common.num_actual_tokens, cu, seqused, common.block_table_tensor.to(torch.int32),
+                       common.slot_mapping, plan)
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,8 +231,8 @@ class QfaHiF8Impl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        if get_forward_context().attn_metadata is None:  # profiling run: dummy tokens
-            return
+        if is_forward_context_available() and get_forward_context().attn_metadata is None:
+            return  # profiling run: dummy tokens, which must not fix the layer's scales
         tokens = slot_mapping.shape[0]
         key, value = key[:tokens], value[:tokens]
         real = slot_mapping >= 0  # vLLM pads a batch with slot -1
