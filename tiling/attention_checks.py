@@ -375,14 +375,20 @@ def paged_strides(t: torch.Tensor, layout_kv: str) -> tuple[int, int, int, int]:
     return (t.stride(axes["blk"]), t.stride(axes["n"]), t.stride(axes["s"]), t.stride(axes["d"]))
 
 
+def check_paged_strides(t: torch.Tensor, name: str) -> None:
+    """Paged k / v may have any strides (along the blocks too) except a zero one: its blocks (or
+    heads, or positions) would alias one another, which no cache layout does."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} must not have a zero stride in a paged layout (its blocks would alias one "
+                         f"another), got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+
+
 def _check_paged(meta: AttentionMetadata, q, k, v, block_table, qs: dict, batch: int) -> tuple[dict, int]:
     """Shapes of paged k/v and of the block table; returns k's sizes and the table width."""
     ks = _paged_shape(k, "k", meta.layout_kv)
     _paged_shape(v, "v", meta.layout_kv)
-    for t, name in ((k, "k"), (v, "v")):  # strided along the blocks is fine; aliased elements are not
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-            raise ValueError(f"{name} must not have a zero stride in a paged layout (its blocks would alias one "
-                             f"another), got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+    for t, name in ((k, "k"), (v, "v")):
+        check_paged_strides(t, name)
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     _check_head_dims(HEAD_DIMS[meta.quant_mode], (qs, "q"), (ks, "k"))

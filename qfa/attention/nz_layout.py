@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qfa.cast import mxfp8
+from qfa.tiling.attention_checks import check_paged_strides
 from qfa.tiling.spec import QuantMode
 
 NZ_SLAB = 32
@@ -28,6 +29,8 @@ def _check(k: torch.Tensor, v: torch.Tensor) -> None:
                              f"got shape {tuple(t.shape)}")
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for t, name in ((k, "k"), (v, "v")):  # the PA_BNBD copy would hide an aliased cache from the plan's check
+        check_paged_strides(t, name)
     d = k.shape[2] * NZ_SLAB
     if d not in NZ_HEAD_DIMS:
         raise ValueError(f"head dim D of k must be one of {NZ_HEAD_DIMS} for layout_kv PA_NZ, got {d}")
