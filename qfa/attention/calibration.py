@@ -96,12 +96,13 @@ def _amax(flat: torch.Tensor, name: str = "x") -> torch.Tensor:
     return amax
 
 
-def check_finite(x: torch.Tensor, name: str) -> None:
+def check_finite(x: torch.Tensor, name: str, static: str = "scales=...") -> None:
     """ValueError naming ``name`` when ``x`` holds NaN or Inf (a per-tensor scale needs finite
-    values); one reduction in ``x``'s dtype, no float copy."""
+    values); one reduction in ``x``'s dtype, no float copy. ``static``: how the caller gives a
+    static scale instead (the error says so)."""
     if x.numel() and not bool(torch.isfinite(x.detach().abs().amax())):
         raise ValueError(f"{name} contains NaN or Inf values; a per-tensor HiF8 scale needs finite values "
-                         f"(with static scales, scales=..., NaN/Inf are quantised to HiF8's NaN/Inf codes)")
+                         f"(with static scales, {static}, NaN/Inf are quantised to HiF8's NaN/Inf codes)")
 
 
 def _one(flat: torch.Tensor) -> torch.Tensor:
@@ -282,26 +283,28 @@ def get_rule(calibration: RuleLike | None) -> Rule:
     raise TypeError(f"calibration must be a rule name (str) or a callable, got {type(calibration).__name__}")
 
 
-def apply_rule(rule: Rule, x: torch.Tensor, name: str) -> torch.Tensor:
+def apply_rule(rule: Rule, x: torch.Tensor, name: str, static: str = "scales=...") -> torch.Tensor:
     """``rule(x)`` checked as a scale, its errors naming ``x`` as the caller knows it (``name``).
 
     A rule names its own parameter (``x contains NaN or Inf``), which the caller of a cache or
     of the drop-in never passed; NaN or Inf is what makes the built-in rules raise, so when a
     rule raises ValueError on a non-finite ``x`` the error names ``name`` instead. The
-    finiteness is looked at only then: the happy path costs the rule alone."""
+    finiteness is looked at only then: the happy path costs the rule alone. ``static``: as in
+    :func:`check_finite`."""
     try:
         scale = rule(x)
     except ValueError:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            check_finite(x, name)
+            check_finite(x, name, static)
         raise
     return check_scale(scale, f"{name} scale from the calibration rule")
 
 
-def compute_scale(x: torch.Tensor, calibration: RuleLike | None = None, *, name: str = "x") -> torch.Tensor:
+def compute_scale(x: torch.Tensor, calibration: RuleLike | None = None, *, name: str = "x",
+                  static: str = "scales=...") -> torch.Tensor:
     """fp32 scale of shape (1,) for ``x`` by the named rule (default :data:`DEFAULT_RULE`);
-    errors call ``x`` ``name`` (the caller's name for it)."""
-    return apply_rule(get_rule(calibration), x, name)
+    errors call ``x`` ``name`` (the caller's name for it; ``static`` as in :func:`check_finite`)."""
+    return apply_rule(get_rule(calibration), x, name, static)
 
 
 def sharded_scale(rule: Rule, part: torch.Tensor, name: str, process_group: distributed.ProcessGroup,

@@ -14,6 +14,12 @@ would mean re-encoding them, which a cache exists to avoid.
 The op reads the codes in place: :meth:`block_table` / :meth:`seqused_kv` give its paged
 arguments for a list of sequences and :meth:`attend` makes the call. Paged attention is bit for
 bit the contiguous call on the same keys (the op's numerics walk the *logical* key sequence).
+
+Every operation is all-or-nothing: it checks its arguments and computes what it will store
+(the blocks it takes, the scales a layer's first tokens fix, the codes and their saturation
+counts) before it changes anything, so a call that raises leaves the blocks, the free list, the
+lengths, the scales and the counters exactly as they were. An engine can retry or skip a
+refused step without rebuilding the cache.
 """
 
 from __future__ import annotations
@@ -24,13 +30,21 @@ import torch
 
 from qfa.attention import calibration as cal
 from qfa.attention.op import quant_flash_attn
+from qfa.attention.wording import callers_words
 from qfa.serving.encoding import encode
-from qfa.tiling.checks import check_float_tensor
+from qfa.tiling.checks import check_bool, check_float_tensor
 from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode
 
 #: Block sizes the op's paged layouts take: multiples of 16 up to 1024.
 BLOCK_SIZE_MULTIPLE = 16
 MAX_BLOCK_SIZE = 1024
+
+
+#: The op's names for what :meth:`PagedHiF8Cache.attend` builds itself, in attend's words.
+_ATTEND_NAMES = {"k_descale": "k_scale", "v_descale": "v_scale", "layout_out": "layout_q", "mask_mode": "causal",
+                 "block_table": "block_table(seq_ids)", "seqused_kv": "seqused_kv(layer, seq_ids)"}
+_ATTEND_NOTES = {"k_descale": "k_scale, v_scale: the layer's scales, scales(layer)",
+                 "v_descale": "k_scale, v_scale: the layer's scales, scales(layer)"}
 
 
 def _positive_int(value, name: str) -> int:
@@ -88,17 +102,16 @@ class PagedHiF8Cache:
 
     def add_sequence(self, seq_id: Hashable) -> None:
         """Start an empty sequence (no blocks until tokens are appended)."""
-        if seq_id in self._blocks:
+        if self._has(seq_id):
             raise ValueError(f"sequence {seq_id!r} already exists; free it first")
         self._blocks[seq_id] = []
         self._lengths[seq_id] = [0] * self.num_layers
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence and return its blocks to the free list (their codes are left as they are)."""
-        blocks = self._blocks.pop(self._known(seq_id))
-        del self._lengths[seq_id]
-        self._free.extend(sorted(blocks, reverse=True))
-        self._free.sort(reverse=True)
+        free = sorted(self._free + self._blocks[self._known(seq_id)], reverse=True)
+        del self._blocks[seq_id], self._lengths[seq_id]
+        self._free = free
 
     @property
     def saturated(self) -> list[int]:
@@ -117,8 +130,14 @@ class PagedHiF8Cache:
         """Tokens stored for ``seq_id`` in ``layer``."""
         return self._lengths[self._known(seq_id)][self._layer(layer)]
 
+    def _has(self, seq_id) -> bool:
+        try:
+            return seq_id in self._blocks
+        except TypeError:  # unhashable: never a key
+            raise TypeError(f"seq_id must be hashable (it is a dict key), got {type(seq_id).__name__}") from None
+
     def _known(self, seq_id: Hashable) -> Hashable:
-        if seq_id not in self._blocks:
+        if not self._has(seq_id):
             raise ValueError(f"unknown sequence {seq_id!r} (add it with add_sequence; known: {len(self._blocks)})")
         return seq_id
 
@@ -130,14 +149,13 @@ class PagedHiF8Cache:
         return layer
 
     def _reserve(self, seq_id: Hashable, tokens: int) -> list[int]:
-        """The sequence's blocks, grown to hold ``tokens``; nothing changes if there are too few."""
-        blocks = self._blocks[seq_id]
-        need = -(-tokens // self.block_size) - len(blocks)
+        """The free blocks the sequence would take to hold ``tokens`` (the lowest first, as they
+        will be taken); nothing is taken here, and ValueError if there are too few."""
+        need = -(-tokens // self.block_size) - len(self._blocks[seq_id])
         if need > len(self._free):
             raise ValueError(f"out of blocks: sequence {seq_id!r} needs {need} more block(s) of {self.block_size} "
                              f"tokens for {tokens} tokens, {len(self._free)} free of {self.num_blocks}")
-        blocks.extend(self._free.pop() for _ in range(max(need, 0)))
-        return blocks
+        return self._free[len(self._free) - need:][::-1] if need > 0 else []
 
     # ------------------------------------------------------------------ scales and writes
 
@@ -172,7 +190,8 @@ class PagedHiF8Cache:
         """Encode new tokens of one sequence into one layer: ``k``, ``v`` float (tokens, Nkv, 128).
 
         The layer's scales are fixed from these tokens if it has none yet. Blocks are taken from
-        the free list as needed; if there are too few, ValueError and nothing is changed.
+        the free list as needed. All or nothing: if there are too few blocks, or the tokens are
+        refused (a computed scale needs finite values), ValueError and nothing is changed.
         """
         self._known(seq_id)
         layer = self._layer(layer)
@@ -182,15 +201,21 @@ class PagedHiF8Cache:
             raise ValueError(f"k and v must have one shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
         start = self._lengths[seq_id][layer]
         end = start + k.shape[0]
-        blocks = self._reserve(seq_id, end)
+        taken = self._reserve(seq_id, end)
         if k.shape[0] == 0:
             return
-        if self.k_scales[layer] is None:
-            self.k_scales[layer] = cal.check_scale(self.rule(k), "k scale from the calibration rule")
-            self.v_scales[layer] = cal.check_scale(self.rule(v), "v scale from the calibration rule")
-        k_codes, k_sat = encode(k, self.k_scales[layer])
-        v_codes, v_sat = encode(v, self.v_scales[layer])
+        k_scale, v_scale = self.k_scales[layer], self.v_scales[layer]
+        if k_scale is None:  # the layer's first tokens: the scales are fixed only if the append succeeds
+            k_scale, v_scale = (cal.apply_rule(self.rule, k, "k", "PagedHiF8Cache(scales=...)"),
+                                cal.apply_rule(self.rule, v, "v", "PagedHiF8Cache(scales=...)"))
+        k_codes, k_sat = encode(k, k_scale)
+        v_codes, v_sat = encode(v, v_scale)
+        blocks = self._blocks[seq_id] + taken
         slots = self._slots(blocks, start, end)
+        # commit: nothing below refuses anything
+        del self._free[len(self._free) - len(taken):]
+        self._blocks[seq_id] = blocks
+        self.k_scales[layer], self.v_scales[layer] = k_scale, v_scale
         self.k_codes[layer].view(-1, self.num_kv_heads, self.head_dim)[slots] = k_codes
         self.v_codes[layer].view(-1, self.num_kv_heads, self.head_dim)[slots] = v_codes
         self._saturated[layer] = self._saturated[layer] + k_sat + v_sat
@@ -250,17 +275,40 @@ class PagedHiF8Cache:
         it. ``causal`` is aligned bottom-right per sequence, so a decode step (one query) sees
         every stored key and a chunk of new queries sees the keys up to its own position
         (the chunk's keys must already be appended). Returns the op's ``(out, lse)``.
+
+        Nothing in the cache changes (errors name attend's arguments, not the op's: the layer's
+        scales are ``k_scale`` / ``v_scale``, see :meth:`scales`).
         """
+        layer = self._layer(layer)
+        check_bool(causal, "causal")
+        ids = self._check_batch(q, seq_ids, layout_q, cu_seqlens_q)
         q_codes, q_descale = self.quantize_q(q, q_descale, calibration)
         k_scale, v_scale = self.scales(layer)
-        return quant_flash_attn(
-            q_codes, self.k_codes[layer], self.v_codes[layer], q_descale, k_scale, v_scale,
-            QuantMode.HIF8_PER_TENSOR, block_table=self.block_table(seq_ids),
-            seqused_kv=self.seqused_kv(layer, seq_ids),
-            cu_seqlens_q=cu_seqlens_q, layout_q=layout_q, layout_kv="PA_BBND", layout_out=layout_q,
-            mask_mode=MaskMode.CAUSAL if causal else MaskMode.NONE, softmax_scale=softmax_scale,
-            return_softmax_lse=return_softmax_lse, backend=backend,
-        )
+        with callers_words(_ATTEND_NAMES, _ATTEND_NOTES):
+            return quant_flash_attn(
+                q_codes, self.k_codes[layer], self.v_codes[layer], q_descale, k_scale, v_scale,
+                QuantMode.HIF8_PER_TENSOR, block_table=self.block_table(ids), seqused_kv=self.seqused_kv(layer, ids),
+                cu_seqlens_q=cu_seqlens_q, layout_q=layout_q, layout_kv="PA_BBND", layout_out=layout_q,
+                mask_mode=MaskMode.CAUSAL if causal else MaskMode.NONE, softmax_scale=softmax_scale,
+                return_softmax_lse=return_softmax_lse, backend=backend,
+            )
+
+    def _check_batch(self, q, seq_ids, layout_q, cu_seqlens_q) -> list:
+        """``seq_ids`` as a list of known sequences, one per sequence of ``q``'s batch (the op
+        would see a disagreement only in the lengths and block table built from the ids)."""
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
+            raise TypeError(f"seq_ids must be a sequence (list or tuple) of sequence ids, got {type(seq_ids).__name__}")
+        ids = [self._known(s) for s in seq_ids]
+        if not ids:
+            raise ValueError("seq_ids must name at least one sequence")
+        if layout_q == "TND":
+            if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] != len(ids) + 1:
+                raise ValueError(f"cu_seqlens_q must have len(seq_ids) + 1 = {len(ids) + 1} entries (one query "
+                                 f"sequence per id), got {cu_seqlens_q.shape[0]}")
+        elif isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != len(ids):
+            raise ValueError(f"q's batch (dim 0 of {layout_q} q, shape {tuple(q.shape)}) must be len(seq_ids) = "
+                             f"{len(ids)}, got {q.shape[0]}")
+        return ids
 
     def quantize_q(self, q: torch.Tensor, q_descale=None, calibration: cal.RuleLike | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +321,6 @@ class PagedHiF8Cache:
                 raise ValueError("q holds HiF8 codes (uint8): pass its q_descale")
             return q, cal.check_scale(q_descale, "q_descale", q.device)
         check_float_tensor(q, "q")
-        scale = (cal.compute_scale(q, calibration) if q_descale is None
+        scale = (cal.compute_scale(q, calibration, name="q", static="q_descale=...") if q_descale is None
                  else cal.check_scale(q_descale, "q_descale", q.device))
         return cal.quantize(q, scale), scale
