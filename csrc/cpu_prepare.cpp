@@ -1,0 +1,976 @@
+// The drop-in's preparation and the HiF8 cast on CPU: see qfa/attention/cpu_prepare.py for the
+// contract and qfa/attention/prepare.py for how the drop-in uses it.
+//
+// One binary for every x86-64 CPU: nothing here is compiled with -m flags; the SIMD functions
+// carry their ISA as a target attribute and are chosen at run time from the CPU's flags
+// (AVX-512 F/BW/DQ/VL, else AVX2 + F16C, else scalar). Every level computes the same bits: the
+// same IEEE operations in the same order (no FMA contraction: -ffp-contract=off), and an
+// encoder that is exhaustively tested per level against the host's 65536-entry table.
+//
+// The prepare passes run on the calling thread alone. They are memory-bound sweeps that cost a
+// few percent of the attention they feed; a parallel region for them would wait, on a loaded
+// machine, for a descheduled thread each time (the pattern the drop-in had: many small parallel
+// passes). Only the plain cast of a large tensor (encode_flat / quantize_flat) is parallel.
+
+// A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header:
+// the first build takes about a second. The Python side (qfa/attention/cpu_prepare.py) checks the
+// tensors and passes their data pointers.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QFA_X86 1
+#define T_AVX2 __attribute__((target("avx2,f16c,popcnt")))
+#define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c,popcnt")))
+#endif
+
+namespace {
+
+constexpr int kD = 128;  // the head dimension every row has (HiF8 mode 0's only one)
+
+// ---- the format's constants (set once from qfa.cast.format / rounding: one source of truth) --
+//
+// The encoder works on 16-bit words: a bf16 pattern, or the upper half of an fp32 pattern (HiF8
+// rounding reads nothing below it, see qfa/cast/luts.py). Word constants are the upper halves of
+// the fp32 patterns of the format's thresholds.
+struct Consts {
+  int max_w = 0;          // MAX (2^15)
+  int overflow_w = 0;     // OVERFLOW_THRESHOLD (1.25 * 2^15)
+  int min_denormal_w = 0; // MIN_DENORMAL (2^-22)
+  int underflow_w = 0;    // UNDERFLOW_THRESHOLD (2^-23)
+  int inf_w = 0x7F80;     // +Inf (an IEEE fact, not the format's)
+  int nan_code = 0;
+  int inf_code = 0;
+  int band[3] = {0, 0, 0};  // |E| limits of the binades keeping >= 1, 2, 3 mantissa bits
+  uint32_t nan_bits = 0;    // fp32 pattern of the decode table's NaN (what a NaN input becomes)
+  bool set = false;
+};
+Consts K;
+
+void set_constants(const int64_t* c) {
+  K.max_w = (int)c[0]; K.overflow_w = (int)c[1]; K.min_denormal_w = (int)c[2]; K.underflow_w = (int)c[3];
+  K.nan_code = (int)c[4]; K.inf_code = (int)c[5];
+  K.band[0] = (int)c[6]; K.band[1] = (int)c[7]; K.band[2] = (int)c[8];
+  K.nan_bits = (uint32_t)c[9];
+  K.set = true;
+}
+
+// ---- the code of a rounded magnitude ---------------------------------------------------------
+//
+// After rounding (see encode_word), a nonzero finite magnitude r is 2^E (1 + M / 2^m) with E in
+// [-15, 15] and m = m(E) mantissa bits, or a power-of-two denormal 2^E, E in [-22, -16]. With
+// a = |E|, n = [E < 0] and t = (a << 7) | (r's 7 mantissa bits), the format's layout
+// (qfa/cast/format.py) gives
+//   a in [8, 15] (Dot 11, m = 1):  0x60 | n << 4 | (a - 8) << 1 | M  = 0x50 + 16 n + (t >> 6)
+//   a in [4, 7]  (Dot 10, m = 2):  0x40 | n << 4 | (a - 4) << 2 | M  = 0x30 + 16 n + (t >> 5)
+//   a in [2, 3]  (Dot 01, m = 3):  0x20 | n << 4 | (a - 2) << 3 | M  = 0x10 + 16 n + (t >> 4)
+//   a == 1       (Dot 001):        0x10 | n << 3 | M                 = 0x08 +  8 n + (t >> 4)
+//   a == 0       (Dot 0001):       0x08 | M                          = 0x08        + (t >> 4)
+//   denormal:                      E + 23
+// so the base steps down by 0x20 per band, by 8 (16 when negative) more for a <= 1, and the
+// shift is 7 - m. The band limits are the format's (15, 7, 3); the rest is its bit layout.
+
+inline int code_of_rounded(int r) {
+  int er = r >> 7, E = er - 127;
+  if (E < -K.band[0]) return er - 104;  // 2^E = code (E + 23); er - 127 + 23
+  int a = E < 0 ? -E : E, n = E < 0;
+  int t = (a << 7) | (r & 0x7F);
+  int sh = a <= K.band[2] ? 4 : a <= K.band[1] ? 5 : 6;
+  int base = 0x50 + 16 * n - (a <= K.band[1] ? 0x20 : 0) - (a <= K.band[2] ? 0x20 : 0);
+  if (a <= 1) base -= 8 + 8 * n;
+  return base + (t >> sh);
+}
+
+// The HiF8 code of a 16-bit word w (sign, 8 exponent bits, 7 mantissa bits): round to nearest,
+// ties away from zero, in the input's binade: add the first dropped bit and clear the dropped
+// bits (a carry lands on 2^(E+1), always a HiF8 value); [UNDERFLOW, MIN_DENORMAL) -> MIN_DENORMAL,
+// below -> 0; from MAX up (clamped first) -> MAX, or Inf in inf mode from OVERFLOW up. NaN ->
+// the NaN code, +-Inf -> +-Inf, and the sign unless the code is 0 (HiF8 has no -0).
+inline uint8_t encode_word(int w, bool inf_mode) {
+  int a = w & 0x7FFF, sign = (w >> 8) & 0x80;
+  if (a > K.inf_w) return (uint8_t)K.nan_code;
+  if (a == K.inf_w || (inf_mode && a >= K.overflow_w)) return (uint8_t)(K.inf_code | sign);
+  int c = std::min(a, K.max_w), code;
+  if (c < K.min_denormal_w) {
+    code = c >= K.underflow_w ? 1 : 0;
+  } else {
+    int E = (c >> 7) - 127, ae = E < 0 ? -E : E;
+    int m = (ae <= K.band[0]) + (ae <= K.band[1]) + (ae <= K.band[2]);
+    int half = 0x40 >> m;
+    int r = (c + half) & -(half + half);
+    code = code_of_rounded(r);
+  }
+  return (uint8_t)(code ? code | sign : 0);
+}
+
+inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// The word of an fp32 value: its upper half, made a NaN pattern when the value is a NaN whose
+// payload lies only in the lower half (it would read as Inf).
+inline int word_of_fp32(uint32_t bits) {
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) bits |= 0x7FC00000u;
+  return (int)(bits >> 16);
+}
+
+// Input element types: 0 fp32, 1 bf16, 2 fp16.
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
+
+// fp16 <-> fp32 by the IEEE rules (what F16C's conversions compute: exact widening; narrowing
+// rounds to nearest even, overflow to Inf), NaN -> sign | 0x7E00 when narrowing (c10's rule).
+inline float f32_of_f16(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  if (e == 0x1F) return u2f(sign | 0x7F800000u | (m << 13));
+  if (e == 0) {
+    if (m == 0) return u2f(sign);
+    int shift = 0;  // a denormal: normalise the significand
+    while (!(m & 0x400)) { m <<= 1; ++shift; }
+    return u2f(sign | (uint32_t)(127 - 14 - shift) << 23 | (m & 0x3FF) << 13);
+  }
+  return u2f(sign | (e + 127 - 15) << 23 | m << 13);
+}
+
+inline uint16_t f16_of_f32(float f) {
+  uint32_t u = f2u(f), sign = (u >> 16) & 0x8000, a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00);
+  if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00);  // from 65520 (the tie above 65504) up
+  if (a >= 0x38800000u) {  // a normal fp16: rebias the exponent, round off 13 mantissa bits
+    uint32_t v = a - 0x38000000u;
+    return (uint16_t)(sign | ((v + 0xFFFu + ((v >> 13) & 1u)) >> 13));
+  }
+  int e = (int)(a >> 23), shift = 126 - e;  // units of 2^-24: the significand >> shift
+  if (shift > 24) return (uint16_t)sign;
+  uint32_t sig = (a & 0x7FFFFFu) | 0x800000u, q = sig >> shift, rem = sig & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return (uint16_t)(sign | q);
+}
+
+inline float load_scalar(const void* p, int64_t i, int dt) {
+  if (dt == F32) return static_cast<const float*>(p)[i];
+  uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (dt == BF16) return u2f((uint32_t)h << 16);
+  return f32_of_f16(h);
+}
+
+// fp32 -> bf16, round to nearest even (torch's rule), NaN -> 0x7FC0 (torch's scalar NaN).
+inline uint16_t bf16_of(float f) {
+  uint32_t u = f2u(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Output conversions of rotate_rows: finite values beyond the dtype's largest finite one
+// saturate there (the drop-in's saturating cast); NaN and +-Inf stay.
+constexpr float kBf16Max = 3.38953139e38f;  // 0x7F7F
+constexpr float kF16Max = 65504.0f;
+
+inline float saturate(float f, float limit) {
+  if (std::isfinite(f)) return std::min(std::max(f, -limit), limit);
+  return f;
+}
+
+inline void store_scalar(void* p, int64_t i, int dt, float f) {
+  if (dt == F32) static_cast<float*>(p)[i] = f;
+  else if (dt == BF16) static_cast<uint16_t*>(p)[i] = bf16_of(saturate(f, kBf16Max));
+  else static_cast<uint16_t*>(p)[i] = f16_of_f32(saturate(f, kF16Max));
+}
+
+// ---- scalar level (the reference for the SIMD ones: the same operations in the same order) -----
+
+// The Walsh-Hadamard butterfly of one row, levels h = 1, 2, ..., 64 (x[i], x[i+h] -> x[i] + x[i+h],
+// x[i] - x[i+h] where bit h of i is clear), then one multiply by c = fl(1/sqrt(128)).
+void fwht_scalar(float* x, float c) {
+  for (int h = 1; h < kD; h <<= 1)
+    for (int i = 0; i < kD; ++i)
+      if (!(i & h)) { float a = x[i], b = x[i + h]; x[i] = a + b; x[i + h] = a - b; }
+  for (int i = 0; i < kD; ++i) x[i] = x[i] * c;
+}
+
+// ---- the row plan ------------------------------------------------------------------------------
+//
+// A tensor is seen as (A, N, S, 128) with element strides (sA, sN, sS) and the last stride 1: BNSD
+// is (B, N, S), BSND (B, N, S) by its strides, TND (1, N, T). A segment is (a, s0, valid, all):
+// rows s0 .. s0 + all of batch a, the first ``valid`` of them real (the statistics and the K
+// means read those; the encode writes all). The K means are (segments, N, 128) fp32.
+struct Plan {
+  int64_t sA, sN, sS;
+  int64_t heads;
+  const int64_t* segs;  // 4 per segment
+  int64_t n;
+  int64_t nseg() const { return n; }
+  int64_t offset(int64_t g, int64_t h, int64_t s) const {
+    return segs[4 * g] * sA + h * sN + (segs[4 * g + 1] + s) * sS;
+  }
+};
+
+Plan make_plan(const int64_t* strides, const int64_t* segs, int64_t nseg, int64_t heads) {
+  return Plan{strides[0], strides[1], strides[2], heads, segs, nseg};
+}
+
+inline int64_t esize(int dt) { return dt == F32 ? 4 : 2; }
+
+struct Stats {
+  double sumsq = 0.0;
+  uint32_t max_bits = 0;  // largest |y| pattern: the amax when finite, >= Inf's pattern when not
+};
+
+// What one row's pass needs: the input row, the mean to subtract (or null), rotate or not.
+struct RowIn {
+  const void* x;
+  int dt;
+  const float* mu;
+  bool rotate;
+  float c;
+};
+
+void load_row_scalar(const RowIn& in, float* y) {
+  for (int i = 0; i < kD; ++i) {
+    float v = load_scalar(in.x, i, in.dt);
+    y[i] = in.mu ? v - in.mu[i] : v;
+  }
+  if (in.rotate) fwht_scalar(y, in.c);
+}
+
+void stats_row_scalar(const RowIn& in, Stats& st) {
+  float y[kD];
+  load_row_scalar(in, y);
+  for (int i = 0; i < kD; ++i) {
+    st.sumsq += (double)y[i] * (double)y[i];
+    st.max_bits = std::max(st.max_bits, f2u(y[i]) & 0x7FFFFFFFu);
+  }
+}
+
+inline bool saturates(float q) {
+  uint32_t a = f2u(q) & 0x7FFFFFFFu;
+  return a >= ((uint32_t)K.overflow_w << 16) && a < 0x7F800000u;
+}
+
+int64_t encode_row_scalar(const RowIn& in, float scale, uint8_t* out) {
+  float y[kD];
+  load_row_scalar(in, y);
+  int64_t sat = 0;
+  for (int i = 0; i < kD; ++i) {
+    float q = y[i] / scale;
+    sat += saturates(q);
+    out[i] = encode_word(word_of_fp32(f2u(q)), false);
+  }
+  return sat;
+}
+
+void rotate_row_scalar(const RowIn& in, void* out, int odt) {
+  float y[kD];
+  load_row_scalar(in, y);
+  for (int i = 0; i < kD; ++i) store_scalar(out, i, odt, y[i]);
+}
+
+void encode_flat_scalar(const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode) {
+  for (int64_t i = 0; i < n; ++i) {
+    int w = dt == BF16 ? static_cast<const uint16_t*>(x)[i] : word_of_fp32(f2u(load_scalar(x, i, dt)));
+    out[i] = encode_word(w, inf_mode);
+  }
+}
+
+int64_t quantize_flat_scalar(const void* x, int dt, uint8_t* out, int64_t n, float scale) {
+  int64_t sat = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    float q = load_scalar(x, i, dt) / scale;
+    sat += saturates(q);
+    out[i] = encode_word(word_of_fp32(f2u(q)), false);
+  }
+  return sat;
+}
+
+#ifdef QFA_X86
+
+// ---- AVX2 level: 16 words / 8 floats a register ---------------------------------------------------
+
+T_AVX2 inline __m256i enc_words_avx2(__m256i w, bool inf_mode) {
+  const __m256i one = _mm256_set1_epi16(1);
+  __m256i a = _mm256_and_si256(w, _mm256_set1_epi16(0x7FFF));
+  __m256i c = _mm256_min_epu16(a, _mm256_set1_epi16((short)K.max_w));
+  __m256i ae = _mm256_abs_epi16(_mm256_sub_epi16(_mm256_srli_epi16(c, 7), _mm256_set1_epi16(127)));
+  __m256i b0 = _mm256_cmpgt_epi16(_mm256_set1_epi16((short)(K.band[0] + 1)), ae);
+  __m256i b1 = _mm256_cmpgt_epi16(_mm256_set1_epi16((short)(K.band[1] + 1)), ae);
+  __m256i b2 = _mm256_cmpgt_epi16(_mm256_set1_epi16((short)(K.band[2] + 1)), ae);
+  // half = 0x40 >> m: 0x40, 0x20, 0x10, 0x08 as the bands nest
+  __m256i half = _mm256_set1_epi16(0x40);
+  half = _mm256_sub_epi16(half, _mm256_and_si256(b0, _mm256_set1_epi16(0x20)));
+  half = _mm256_sub_epi16(half, _mm256_and_si256(b1, _mm256_set1_epi16(0x10)));
+  half = _mm256_sub_epi16(half, _mm256_and_si256(b2, _mm256_set1_epi16(0x08)));
+  __m256i r = _mm256_and_si256(_mm256_add_epi16(c, half),
+                               _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_add_epi16(half, half)));
+  // the code of r (see code_of_rounded)
+  __m256i er = _mm256_srli_epi16(r, 7);
+  __m256i E = _mm256_sub_epi16(er, _mm256_set1_epi16(127));
+  __m256i ar = _mm256_abs_epi16(E);
+  __m256i neg = _mm256_cmpgt_epi16(_mm256_setzero_si256(), E);
+  __m256i r1 = _mm256_cmpgt_epi16(_mm256_set1_epi16((short)(K.band[1] + 1)), ar);
+  __m256i r2 = _mm256_cmpgt_epi16(_mm256_set1_epi16((short)(K.band[2] + 1)), ar);
+  __m256i low = _mm256_cmpgt_epi16(_mm256_set1_epi16(2), ar);
+  __m256i t = _mm256_or_si256(_mm256_slli_epi16(ar, 7), _mm256_and_si256(r, _mm256_set1_epi16(0x7F)));
+  // t >> (7 - m) as (t << (m - 1)) >> 6: multiply by 1, 2 or 4
+  __m256i mul = _mm256_add_epi16(one, _mm256_add_epi16(_mm256_and_si256(r1, one),
+                                                       _mm256_and_si256(r2, _mm256_set1_epi16(2))));
+  __m256i code = _mm256_srli_epi16(_mm256_mullo_epi16(t, mul), 6);
+  __m256i base = _mm256_add_epi16(_mm256_set1_epi16(0x50), _mm256_and_si256(neg, _mm256_set1_epi16(16)));
+  base = _mm256_sub_epi16(base, _mm256_and_si256(r1, _mm256_set1_epi16(0x20)));
+  base = _mm256_sub_epi16(base, _mm256_and_si256(r2, _mm256_set1_epi16(0x20)));
+  __m256i adj = _mm256_add_epi16(_mm256_set1_epi16(8), _mm256_and_si256(neg, _mm256_set1_epi16(8)));
+  base = _mm256_sub_epi16(base, _mm256_and_si256(low, adj));
+  code = _mm256_add_epi16(code, base);
+  __m256i den = _mm256_cmpgt_epi16(_mm256_set1_epi16((short)-K.band[0]), E);
+  code = _mm256_blendv_epi8(code, _mm256_sub_epi16(er, _mm256_set1_epi16(104)), den);
+  // underflow: [UNDERFLOW, MIN_DENORMAL) -> 1, below -> 0 (c < 0x8000: signed compares are safe)
+  __m256i under = _mm256_cmpgt_epi16(_mm256_set1_epi16((short)K.min_denormal_w), c);
+  __m256i keep1 = _mm256_cmpgt_epi16(c, _mm256_set1_epi16((short)(K.underflow_w - 1)));
+  code = _mm256_blendv_epi8(code, _mm256_and_si256(keep1, one), under);
+  // sign unless 0
+  __m256i sign = _mm256_and_si256(_mm256_srli_epi16(w, 8), _mm256_set1_epi16(0x80));
+  __m256i nz = _mm256_xor_si256(_mm256_cmpeq_epi16(code, _mm256_setzero_si256()), _mm256_set1_epi16(-1));
+  code = _mm256_or_si256(code, _mm256_and_si256(nz, sign));
+  __m256i inf_w = _mm256_set1_epi16((short)K.inf_w);
+  __m256i is_inf = _mm256_cmpeq_epi16(a, inf_w);
+  if (inf_mode)
+    is_inf = _mm256_andnot_si256(_mm256_cmpgt_epi16(a, inf_w),
+                                 _mm256_cmpgt_epi16(a, _mm256_set1_epi16((short)(K.overflow_w - 1))));
+  code = _mm256_blendv_epi8(code, _mm256_or_si256(_mm256_set1_epi16((short)K.inf_code), sign), is_inf);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi16((short)K.nan_code), _mm256_cmpgt_epi16(a, inf_w));
+  return code;
+}
+
+// 32 words -> 32 code bytes.
+T_AVX2 inline void store_codes_avx2(uint8_t* out, __m256i lo, __m256i hi) {
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+}
+
+T_AVX2 inline __m256i nanfix_avx2(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+  return _mm256_or_si256(bits, _mm256_and_si256(nan, _mm256_set1_epi32(0x7FC00000)));
+}
+
+// 16 floats -> their 16 words (word_of_fp32).
+T_AVX2 inline __m256i words_avx2(__m256 v0, __m256 v1) {
+  __m256i h0 = _mm256_srli_epi32(nanfix_avx2(v0), 16), h1 = _mm256_srli_epi32(nanfix_avx2(v1), 16);
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(h0, h1), 0xD8);
+}
+
+T_AVX2 inline __m256 load8_avx2(const void* p, int64_t i, int dt) {
+  if (dt == F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if (dt == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+T_AVX2 inline int sat_count_avx2(__m256 q) {
+  __m256i a = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0x7FFFFFFF));
+  __m256i ge = _mm256_cmpgt_epi32(a, _mm256_set1_epi32((K.overflow_w << 16) - 1));
+  __m256i fin = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a);
+  return _mm_popcnt_u32((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(ge, fin))));
+}
+
+// One row in 16 registers of 8 lanes: in-register levels h = 1, 2, 4, then across registers.
+T_AVX2 inline void fwht_avx2(__m256* r, float c) {
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN));
+  const __m256 s4 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN));
+  // the lane with bit h set gets partner - self = x[i] - x[i+h]; the other partner + self
+  for (int j = 0; j < 16; ++j) {
+    __m256 x = r[j];
+    x = _mm256_add_ps(_mm256_permute_ps(x, 0xB1), _mm256_xor_ps(x, s1));
+    x = _mm256_add_ps(_mm256_permute_ps(x, 0x4E), _mm256_xor_ps(x, s2));
+    x = _mm256_add_ps(_mm256_permute2f128_ps(x, x, 1), _mm256_xor_ps(x, s4));
+    r[j] = x;
+  }
+  for (int step = 1; step < 16; step <<= 1)
+    for (int j = 0; j < 16; ++j)
+      if (!(j & step)) { __m256 a = r[j], b = r[j + step]; r[j] = _mm256_add_ps(a, b); r[j + step] = _mm256_sub_ps(a, b); }
+  const __m256 cv = _mm256_set1_ps(c);
+  for (int j = 0; j < 16; ++j) r[j] = _mm256_mul_ps(r[j], cv);
+}
+
+T_AVX2 inline void load_row_avx2(const RowIn& in, __m256* r) {
+  for (int j = 0; j < 16; ++j) {
+    r[j] = load8_avx2(in.x, 8 * j, in.dt);
+    if (in.mu) r[j] = _mm256_sub_ps(r[j], _mm256_loadu_ps(in.mu + 8 * j));
+  }
+  if (in.rotate) fwht_avx2(r, in.c);
+}
+
+T_AVX2 void stats_rows_avx2(const RowIn& in0, int64_t rows, int64_t stride, Stats& st) {
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  __m256i mx = _mm256_setzero_si256();
+  const __m256i absm = _mm256_set1_epi32(0x7FFFFFFF);
+  RowIn in = in0;
+  for (int64_t s = 0; s < rows; ++s) {
+    in.x = static_cast<const char*>(in0.x) + s * stride * esize(in0.dt);
+    __m256 r[16];
+    load_row_avx2(in, r);
+    for (int j = 0; j < 16; ++j) {
+      mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_castps_si256(r[j]), absm));
+      __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(r[j])), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(r[j], 1));
+      acc[(2 * j) & 3] = _mm256_add_pd(acc[(2 * j) & 3], _mm256_mul_pd(lo, lo));
+      acc[(2 * j + 1) & 3] = _mm256_add_pd(acc[(2 * j + 1) & 3], _mm256_mul_pd(hi, hi));
+    }
+  }
+  alignas(32) double d[4][4];
+  alignas(32) uint32_t m[8];
+  for (int i = 0; i < 4; ++i) _mm256_store_pd(d[i], acc[i]);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(m), mx);
+  for (int i = 0; i < 4; ++i) for (int l = 0; l < 4; ++l) st.sumsq += d[i][l];
+  for (int l = 0; l < 8; ++l) st.max_bits = std::max(st.max_bits, m[l]);
+}
+
+T_AVX2 int64_t encode_row_avx2(const RowIn& in, float scale, uint8_t* out) {
+  __m256 r[16];
+  load_row_avx2(in, r);
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t sat = 0;
+  for (int j = 0; j < 16; j += 4) {
+    __m256 q[4];
+    for (int i = 0; i < 4; ++i) { q[i] = _mm256_div_ps(r[j + i], sv); sat += sat_count_avx2(q[i]); }
+    store_codes_avx2(out + 8 * j, enc_words_avx2(words_avx2(q[0], q[1]), false),
+                     enc_words_avx2(words_avx2(q[2], q[3]), false));
+  }
+  return sat;
+}
+
+T_AVX2 inline __m128i bf16_of_avx2(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rnd = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  rnd = _mm256_blendv_epi8(rnd, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rnd), _mm256_extracti128_si256(rnd, 1));
+}
+
+T_AVX2 inline __m256 saturate_avx2(__m256 v, float limit) {
+  // min/max return the second operand for NaN: v second keeps NaN; +-Inf are outside the clamp
+  __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  __m256 fin = _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ);
+  __m256 cl = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-limit)), _mm256_set1_ps(limit));
+  return _mm256_blendv_ps(v, cl, fin);
+}
+
+T_AVX2 inline __m128i f16_of_avx2(__m256 v) {
+  __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // NaN as c10's scalar conversion gives it: sign | 0x7E00
+  __m256i u = _mm256_castps_si256(v);
+  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  __m256i want = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000)),
+                                 _mm256_set1_epi32(0x7E00));
+  __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+  __m128i want16 = _mm_packus_epi32(_mm256_castsi256_si128(want), _mm256_extracti128_si256(want, 1));
+  return _mm_blendv_epi8(h, want16, nan16);
+}
+
+T_AVX2 void rotate_row_avx2(const RowIn& in, void* out, int odt) {
+  __m256 r[16];
+  load_row_avx2(in, r);
+  for (int j = 0; j < 16; ++j) {
+    if (odt == F32) { _mm256_storeu_ps(static_cast<float*>(out) + 8 * j, r[j]); continue; }
+    __m128i h = odt == BF16 ? bf16_of_avx2(saturate_avx2(r[j], kBf16Max)) : f16_of_avx2(saturate_avx2(r[j], kF16Max));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + 8 * j), h);
+  }
+}
+
+// 32 elements from x + i -> 32 codes.
+T_AVX2 inline void encode32_avx2(const void* x, int64_t i, int dt, uint8_t* out, bool inf_mode) {
+  __m256i w0, w1;
+  if (dt == BF16) {
+    const uint16_t* p = static_cast<const uint16_t*>(x) + i;
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  } else {
+    w0 = words_avx2(load8_avx2(x, i, dt), load8_avx2(x, i + 8, dt));
+    w1 = words_avx2(load8_avx2(x, i + 16, dt), load8_avx2(x, i + 24, dt));
+  }
+  store_codes_avx2(out, enc_words_avx2(w0, inf_mode), enc_words_avx2(w1, inf_mode));
+}
+
+T_AVX2 inline int64_t quantize32_avx2(const void* x, int64_t i, int dt, uint8_t* out, __m256 sv) {
+  __m256 q[4];
+  int64_t sat = 0;
+  for (int k = 0; k < 4; ++k) { q[k] = _mm256_div_ps(load8_avx2(x, i + 8 * k, dt), sv); sat += sat_count_avx2(q[k]); }
+  store_codes_avx2(out, enc_words_avx2(words_avx2(q[0], q[1]), false), enc_words_avx2(words_avx2(q[2], q[3]), false));
+  return sat;
+}
+
+// ---- AVX-512 level: 32 words / 16 floats a register ----------------------------------------------
+
+T_AVX512 inline __m512i enc_words_512(__m512i w, bool inf_mode) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+  __m512i c = _mm512_min_epu16(a, _mm512_set1_epi16((short)K.max_w));
+  __m512i ae = _mm512_abs_epi16(_mm512_sub_epi16(_mm512_srli_epi16(c, 7), _mm512_set1_epi16(127)));
+  __mmask32 b0 = _mm512_cmple_epi16_mask(ae, _mm512_set1_epi16((short)K.band[0]));
+  __mmask32 b1 = _mm512_cmple_epi16_mask(ae, _mm512_set1_epi16((short)K.band[1]));
+  __mmask32 b2 = _mm512_cmple_epi16_mask(ae, _mm512_set1_epi16((short)K.band[2]));
+  __m512i half = _mm512_set1_epi16(0x40);  // 0x40 >> m, the bands nesting
+  half = _mm512_mask_mov_epi16(half, b0, _mm512_set1_epi16(0x20));
+  half = _mm512_mask_mov_epi16(half, b1, _mm512_set1_epi16(0x10));
+  half = _mm512_mask_mov_epi16(half, b2, _mm512_set1_epi16(0x08));
+  __m512i r = _mm512_and_si512(_mm512_add_epi16(c, half), _mm512_sub_epi16(zero, _mm512_add_epi16(half, half)));
+  __m512i er = _mm512_srli_epi16(r, 7);
+  __m512i E = _mm512_sub_epi16(er, _mm512_set1_epi16(127));
+  __m512i ar = _mm512_abs_epi16(E);
+  __mmask32 neg = _mm512_cmplt_epi16_mask(E, zero);
+  __mmask32 r1 = _mm512_cmple_epi16_mask(ar, _mm512_set1_epi16((short)K.band[1]));
+  __mmask32 r2 = _mm512_cmple_epi16_mask(ar, _mm512_set1_epi16((short)K.band[2]));
+  __mmask32 low = _mm512_cmple_epi16_mask(ar, _mm512_set1_epi16(1));
+  __m512i t = _mm512_or_si512(_mm512_slli_epi16(ar, 7), _mm512_and_si512(r, _mm512_set1_epi16(0x7F)));
+  __m512i sh = _mm512_mask_mov_epi16(_mm512_set1_epi16(6), r1, _mm512_set1_epi16(5));
+  sh = _mm512_mask_mov_epi16(sh, r2, _mm512_set1_epi16(4));
+  __m512i code = _mm512_srlv_epi16(t, sh);
+  __m512i base = _mm512_mask_add_epi16(_mm512_set1_epi16(0x50), neg, _mm512_set1_epi16(0x50), _mm512_set1_epi16(16));
+  base = _mm512_mask_sub_epi16(base, r1, base, _mm512_set1_epi16(0x20));
+  base = _mm512_mask_sub_epi16(base, r2, base, _mm512_set1_epi16(0x20));
+  base = _mm512_mask_sub_epi16(base, low, base, _mm512_set1_epi16(8));
+  base = _mm512_mask_sub_epi16(base, low & neg, base, _mm512_set1_epi16(8));
+  code = _mm512_add_epi16(code, base);
+  __mmask32 den = _mm512_cmplt_epi16_mask(E, _mm512_set1_epi16((short)-K.band[0]));
+  code = _mm512_mask_sub_epi16(code, den, er, _mm512_set1_epi16(104));
+  __mmask32 under = _mm512_cmplt_epu16_mask(c, _mm512_set1_epi16((short)K.min_denormal_w));
+  __mmask32 keep1 = _mm512_cmpge_epu16_mask(c, _mm512_set1_epi16((short)K.underflow_w));
+  code = _mm512_mask_mov_epi16(code, under, zero);
+  code = _mm512_mask_mov_epi16(code, under & keep1, _mm512_set1_epi16(1));
+  __m512i sign = _mm512_and_si512(_mm512_srli_epi16(w, 8), _mm512_set1_epi16(0x80));
+  code = _mm512_mask_mov_epi16(code, _mm512_test_epi16_mask(code, code), _mm512_or_si512(code, sign));
+  __m512i inf_w = _mm512_set1_epi16((short)K.inf_w);
+  __mmask32 is_inf = inf_mode ? (_mm512_cmpge_epu16_mask(a, _mm512_set1_epi16((short)K.overflow_w)) &
+                                 _mm512_cmple_epu16_mask(a, inf_w))
+                              : _mm512_cmpeq_epi16_mask(a, inf_w);
+  code = _mm512_mask_mov_epi16(code, is_inf, _mm512_or_si512(_mm512_set1_epi16((short)K.inf_code), sign));
+  code = _mm512_mask_mov_epi16(code, _mm512_cmpgt_epu16_mask(a, inf_w), _mm512_set1_epi16((short)K.nan_code));
+  return code;
+}
+
+T_AVX512 inline __m512i nanfix_512(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                          _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_or_epi32(bits, nan, bits, _mm512_set1_epi32(0x7FC00000));
+}
+
+// 32 floats -> their 32 words: the odd (upper) halves, in order.
+T_AVX512 inline __m512i words_512(__m512 v0, __m512 v1) {
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(nanfix_512(v0), odd, nanfix_512(v1));
+}
+
+T_AVX512 inline __m512 load16_512(const void* p, int64_t i, int dt) {
+  if (dt == F32) return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+  if (dt == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+T_AVX512 inline int sat_count_512(__m512 q) {
+  __m512i a = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32(0x7FFFFFFF));
+  __mmask16 k = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(K.overflow_w << 16)) &
+                _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+  return _mm_popcnt_u32((unsigned)k);
+}
+
+T_AVX512 inline void fwht_512(__m512* r, float c) {
+  const __mmask16 k1 = 0xAAAA, k2 = 0xCCCC, k4 = 0xF0F0, k8 = 0xFF00;
+  // y = self + partner; the lane with bit h set: partner - self (= x[i] - x[i+h])
+  for (int j = 0; j < 8; ++j) {
+    __m512 x = r[j], p;
+    p = _mm512_permute_ps(x, 0xB1);
+    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k1, p, x);
+    p = _mm512_permute_ps(x, 0x4E);
+    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k2, p, x);
+    p = _mm512_shuffle_f32x4(x, x, 0xB1);
+    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k4, p, x);
+    p = _mm512_shuffle_f32x4(x, x, 0x4E);
+    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k8, p, x);
+    r[j] = x;
+  }
+  for (int step = 1; step < 8; step <<= 1)
+    for (int j = 0; j < 8; ++j)
+      if (!(j & step)) { __m512 a = r[j], b = r[j + step]; r[j] = _mm512_add_ps(a, b); r[j + step] = _mm512_sub_ps(a, b); }
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int j = 0; j < 8; ++j) r[j] = _mm512_mul_ps(r[j], cv);
+}
+
+T_AVX512 inline void load_row_512(const RowIn& in, __m512* r) {
+  for (int j = 0; j < 8; ++j) {
+    r[j] = load16_512(in.x, 16 * j, in.dt);
+    if (in.mu) r[j] = _mm512_sub_ps(r[j], _mm512_loadu_ps(in.mu + 16 * j));
+  }
+  if (in.rotate) fwht_512(r, in.c);
+}
+
+T_AVX512 void stats_rows_512(const RowIn& in0, int64_t rows, int64_t stride, Stats& st) {
+  __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+  __m512i mx = _mm512_setzero_si512();
+  const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
+  RowIn in = in0;
+  for (int64_t s = 0; s < rows; ++s) {
+    in.x = static_cast<const char*>(in0.x) + s * stride * esize(in0.dt);
+    __m512 r[8];
+    load_row_512(in, r);
+    for (int j = 0; j < 8; ++j) {
+      mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_castps_si512(r[j]), absm));
+      __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(r[j])), hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(r[j], 1));
+      acc[(2 * j) & 3] = _mm512_add_pd(acc[(2 * j) & 3], _mm512_mul_pd(lo, lo));
+      acc[(2 * j + 1) & 3] = _mm512_add_pd(acc[(2 * j + 1) & 3], _mm512_mul_pd(hi, hi));
+    }
+  }
+  for (int i = 0; i < 4; ++i) st.sumsq += _mm512_reduce_add_pd(acc[i]);
+  st.max_bits = std::max(st.max_bits, (uint32_t)_mm512_reduce_max_epu32(mx));
+}
+
+T_AVX512 int64_t encode_row_512(const RowIn& in, float scale, uint8_t* out) {
+  __m512 r[8];
+  load_row_512(in, r);
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t sat = 0;
+  for (int j = 0; j < 8; j += 2) {
+    __m512 q0 = _mm512_div_ps(r[j], sv), q1 = _mm512_div_ps(r[j + 1], sv);
+    sat += sat_count_512(q0) + sat_count_512(q1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * j),
+                        _mm512_cvtepi16_epi8(enc_words_512(words_512(q0, q1), false)));
+  }
+  return sat;
+}
+
+T_AVX512 inline __m256i bf16_of_512(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rnd = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                          _mm512_set1_epi32(0x7F800000));
+  rnd = _mm512_mask_mov_epi32(rnd, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rnd);
+}
+
+T_AVX512 inline __m512 saturate_512(__m512 v, float limit) {
+  __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  __m512 cl = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-limit)), _mm512_set1_ps(limit));
+  return _mm512_mask_mov_ps(v, fin, cl);
+}
+
+T_AVX512 inline __m256i f16_of_512(__m512 v) {
+  __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512i u = _mm512_castps_si512(v);
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                          _mm512_set1_epi32(0x7F800000));
+  __m512i want = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
+                                 _mm512_set1_epi32(0x7E00));
+  return _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(want));
+}
+
+T_AVX512 void rotate_row_512(const RowIn& in, void* out, int odt) {
+  __m512 r[8];
+  load_row_512(in, r);
+  for (int j = 0; j < 8; ++j) {
+    if (odt == F32) { _mm512_storeu_ps(static_cast<float*>(out) + 16 * j, r[j]); continue; }
+    __m256i h = odt == BF16 ? bf16_of_512(saturate_512(r[j], kBf16Max)) : f16_of_512(saturate_512(r[j], kF16Max));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + 16 * j), h);
+  }
+}
+
+T_AVX512 inline void encode64_512(const void* x, int64_t i, int dt, uint8_t* out, bool inf_mode) {
+  for (int k = 0; k < 2; ++k) {
+    __m512i w;
+    if (dt == BF16) w = _mm512_loadu_si512(static_cast<const uint16_t*>(x) + i + 32 * k);
+    else w = words_512(load16_512(x, i + 32 * k, dt), load16_512(x, i + 32 * k + 16, dt));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * k), _mm512_cvtepi16_epi8(enc_words_512(w, inf_mode)));
+  }
+}
+
+T_AVX512 inline int64_t quantize32_512(const void* x, int64_t i, int dt, uint8_t* out, __m512 sv) {
+  __m512 q0 = _mm512_div_ps(load16_512(x, i, dt), sv), q1 = _mm512_div_ps(load16_512(x, i + 16, dt), sv);
+  int64_t sat = sat_count_512(q0) + sat_count_512(q1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(enc_words_512(words_512(q0, q1), false)));
+  return sat;
+}
+
+T_AVX512 void encode_flat_512(const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) encode64_512(x, i, dt, out + i, inf_mode);
+  if (i < n) {  // the tail through the same code, from a zero-padded copy
+    alignas(64) uint8_t buf[64 * 4] = {0};
+    alignas(64) uint8_t codes[64];
+    std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
+    encode64_512(buf, 0, dt, codes, inf_mode);
+    std::memcpy(out + i, codes, n - i);
+  }
+}
+
+T_AVX512 int64_t quantize_flat_512(const void* x, int dt, uint8_t* out, int64_t n, float scale) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t i = 0, sat = 0;
+  for (; i + 32 <= n; i += 32) sat += quantize32_512(x, i, dt, out + i, sv);
+  if (i < n) {  // zero padding encodes as 0 and never saturates
+    alignas(64) uint8_t buf[32 * 4] = {0};
+    alignas(64) uint8_t codes[32];
+    std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
+    sat += quantize32_512(buf, 0, dt, codes, sv);
+    std::memcpy(out + i, codes, n - i);
+  }
+  return sat;
+}
+
+T_AVX2 void encode_flat_avx2(const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) encode32_avx2(x, i, dt, out + i, inf_mode);
+  if (i < n) {
+    alignas(32) uint8_t buf[32 * 4] = {0};
+    alignas(32) uint8_t codes[32];
+    std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
+    encode32_avx2(buf, 0, dt, codes, inf_mode);
+    std::memcpy(out + i, codes, n - i);
+  }
+}
+
+T_AVX2 int64_t quantize_flat_avx2(const void* x, int dt, uint8_t* out, int64_t n, float scale) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t i = 0, sat = 0;
+  for (; i + 32 <= n; i += 32) sat += quantize32_avx2(x, i, dt, out + i, sv);
+  if (i < n) {
+    alignas(32) uint8_t buf[32 * 4] = {0};
+    alignas(32) uint8_t codes[32];
+    std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
+    sat += quantize32_avx2(buf, 0, dt, codes, sv);
+    std::memcpy(out + i, codes, n - i);
+  }
+  return sat;
+}
+
+#endif  // QFA_X86
+
+// ---- dispatch ------------------------------------------------------------------------------------
+
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+int detect_isa() {
+#ifdef QFA_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("popcnt"))
+    return AVX2;
+#endif
+  return SCALAR;
+}
+
+const int kDetected = detect_isa();
+
+// The level to run: the best the CPU has, or a lower one a test asks for (-1: the best); -1 when
+// the CPU lacks it or the constants are not set (the Python side checks both first).
+int pick(int64_t isa) {
+  if (!K.set || isa > kDetected) return -1;
+  return isa < 0 ? kDetected : (int)isa;
+}
+
+void stats_rows(int isa, const RowIn& in, int64_t rows, int64_t stride, Stats& st) {
+#ifdef QFA_X86
+  if (isa == AVX512) return stats_rows_512(in, rows, stride, st);
+  if (isa == AVX2) return stats_rows_avx2(in, rows, stride, st);
+#endif
+  RowIn r = in;
+  for (int64_t s = 0; s < rows; ++s) {
+    r.x = static_cast<const char*>(in.x) + s * stride * esize(in.dt);
+    stats_row_scalar(r, st);
+  }
+}
+
+int64_t encode_row(int isa, const RowIn& in, float scale, uint8_t* out) {
+#ifdef QFA_X86
+  if (isa == AVX512) return encode_row_512(in, scale, out);
+  if (isa == AVX2) return encode_row_avx2(in, scale, out);
+#endif
+  return encode_row_scalar(in, scale, out);
+}
+
+void rotate_row(int isa, const RowIn& in, void* out, int odt) {
+#ifdef QFA_X86
+  if (isa == AVX512) return rotate_row_512(in, out, odt);
+  if (isa == AVX2) return rotate_row_avx2(in, out, odt);
+#endif
+  rotate_row_scalar(in, out, odt);
+}
+
+void encode_span(int isa, const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode) {
+#ifdef QFA_X86
+  if (isa == AVX512) return encode_flat_512(x, dt, out, n, inf_mode);
+  if (isa == AVX2) return encode_flat_avx2(x, dt, out, n, inf_mode);
+#endif
+  encode_flat_scalar(x, dt, out, n, inf_mode);
+}
+
+int64_t quantize_span(int isa, const void* x, int dt, uint8_t* out, int64_t n, float scale) {
+#ifdef QFA_X86
+  if (isa == AVX512) return quantize_flat_512(x, dt, out, n, scale);
+  if (isa == AVX2) return quantize_flat_avx2(x, dt, out, n, scale);
+#endif
+  return quantize_flat_scalar(x, dt, out, n, scale);
+}
+
+// ---- the K means -------------------------------------------------------------------------------
+//
+// Per segment and head, the float64 sum of each channel over the valid rows in row order, divided
+// by their count and rounded to fp32 (0 without rows). Plain loops: each channel's sum is one
+// sequential chain whatever the compiler vectorises, so every level gives the same bits.
+void mean_of(const char* x, int dt, int64_t rows, int64_t stride_bytes, float* mu) {
+  double acc[kD] = {0.0};
+  for (int64_t s = 0; s < rows; ++s) {
+    const char* row = x + s * stride_bytes;
+    if (dt == F32) { const float* p = reinterpret_cast<const float*>(row); for (int i = 0; i < kD; ++i) acc[i] += p[i]; }
+    else if (dt == BF16) { const uint16_t* p = reinterpret_cast<const uint16_t*>(row);
+      for (int i = 0; i < kD; ++i) acc[i] += (double)u2f((uint32_t)p[i] << 16); }
+    else { const uint16_t* p = reinterpret_cast<const uint16_t*>(row);
+      for (int i = 0; i < kD; ++i) acc[i] += (double)f32_of_f16(p[i]); }
+  }
+  for (int i = 0; i < kD; ++i) mu[i] = rows ? (float)(acc[i] / (double)rows) : 0.0f;
+}
+
+// ---- entry points ----------------------------------------------------------------------------------
+
+}  // namespace
+
+// ---- entry points (C ABI) --------------------------------------------------------------------------
+
+extern "C" {
+
+void qfa_set_constants(const int64_t* c) { set_constants(c); }
+
+int64_t qfa_isa_level() { return kDetected; }
+
+// Pass 1 of a tensor: the statistics of y = H (x - mu) (each part optional) over the valid rows:
+// [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else 0.0]. With
+// ``mean_out`` (fp32 (segments, N, 128), 0: none) the K means are computed first, per (segment,
+// head) slab, and subtracted: the slab is read a second time from cache, not from memory.
+int64_t qfa_prep_stats(const void* x, int64_t dt, const int64_t* strides, const int64_t* segs, int64_t nseg,
+                       int64_t heads, int64_t rotate, double c, float* mean_out, int64_t isa, double* result) {
+  int level = pick(isa);
+  if (level < 0) return -1;
+  Plan p = make_plan(strides, segs, nseg, heads);
+  const char* base = static_cast<const char*>(x);
+  float* mu = mean_out;
+  int d = (int)dt;
+  Stats st;
+  {
+    for (int64_t g = 0; g < p.nseg(); ++g) {
+      int64_t valid = p.segs[4 * g + 2];
+      for (int64_t h = 0; h < heads; ++h) {
+        const char* row0 = base + p.offset(g, h, 0) * esize(d);
+        float* m = mu ? mu + (g * heads + h) * kD : nullptr;
+        if (m) mean_of(row0, d, valid, p.sS * esize(d), m);
+        if (valid) stats_rows(level, RowIn{row0, d, m, rotate != 0, (float)c}, valid, p.sS, st);
+      }
+    }
+  }
+  bool nonfinite = st.max_bits >= 0x7F800000u;
+  result[0] = st.sumsq;
+  result[1] = nonfinite ? INFINITY : (double)u2f(st.max_bits);
+  result[2] = nonfinite ? 1.0 : 0.0;
+  return 0;
+}
+
+// The K means alone (segments, N, 128): for a K whose scale is given.
+int64_t qfa_key_means(const void* x, int64_t dt, const int64_t* strides, const int64_t* segs, int64_t nseg, int64_t heads,
+                      float* mu) {
+  Plan p = make_plan(strides, segs, nseg, heads);
+  const char* base = static_cast<const char*>(x);
+  int d = (int)dt;
+  for (int64_t g = 0; g < p.nseg(); ++g)
+    for (int64_t h = 0; h < heads; ++h)
+      mean_of(base + p.offset(g, h, 0) * esize(d), d, p.segs[4 * g + 2], p.sS * esize(d), mu + (g * heads + h) * kD);
+  return 0;
+}
+
+// Pass 2: the HiF8 codes of H (x - mu) / scale (saturating) for every row of every segment, into
+// ``out`` (uint8, element strides ``out_strides`` in the same (A, N, S) roles); returns how many
+// finite values reached the overflow threshold (saturated to +-MAX).
+int64_t qfa_prep_encode(const void* x, int64_t dt, const int64_t* strides, uint8_t* out, const int64_t* out_strides,
+                        const int64_t* segs, int64_t nseg, int64_t heads, int64_t rotate, double c, const float* mu,
+                        double scale, int64_t isa) {
+  int level = pick(isa);
+  if (level < 0) return -1;
+  Plan p = make_plan(strides, segs, nseg, heads), o = make_plan(out_strides, segs, nseg, heads);
+  const char* base = static_cast<const char*>(x);
+  uint8_t* obase = out;
+  int d = (int)dt;
+  int64_t sat = 0;
+  for (int64_t g = 0; g < p.nseg(); ++g) {
+    int64_t all = p.segs[4 * g + 3];
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* m = mu ? mu + (g * heads + h) * kD : nullptr;
+      for (int64_t s = 0; s < all; ++s) {
+        RowIn in{base + p.offset(g, h, s) * esize(d), d, m, rotate != 0, (float)c};
+        sat += encode_row(level, in, (float)scale, obase + o.offset(g, h, s));
+      }
+    }
+  }
+  return sat;
+}
+
+// H x per row of 128 (``rows`` contiguous rows of x and of out), converted to out's dtype
+// (finite values beyond a narrower dtype's range saturate). On the calling thread.
+int64_t qfa_rotate_rows(const void* x, int64_t dt, void* out, int64_t odt, int64_t rows, double c, int64_t isa) {
+  int level = pick(isa);
+  if (level < 0) return -1;
+  const char* xb = static_cast<const char*>(x);
+  char* ob = static_cast<char*>(out);
+  int d = (int)dt, od = (int)odt;
+  for (int64_t s = 0; s < rows; ++s)
+    rotate_row(level, RowIn{xb + s * kD * esize(d), d, nullptr, true, (float)c}, ob + s * kD * esize(od), od);
+  return 0;
+}
+
+// Spans of the plain cast: one thread's share is at least this many elements (a few hundred
+// microseconds of work), so small tensors never open a parallel region.
+constexpr int64_t kGrain = 1 << 18;
+
+// The HiF8 codes of n contiguous values (overflow "saturate" or, with inf_mode, "inf"), on up to
+// ``threads`` OpenMP threads (libgomp: torch's own runtime).
+int64_t qfa_encode_flat(const void* x, int64_t dt, uint8_t* out, int64_t n, int64_t inf_mode, int64_t threads, int64_t isa) {
+  int level = pick(isa);
+  if (level < 0) return -1;
+  const char* xb = static_cast<const char*>(x);
+  uint8_t* ob = out;
+  int d = (int)dt;
+  int64_t chunks = (n + kGrain - 1) / kGrain;
+  if (chunks <= 1 || threads <= 1) { encode_span(level, xb, d, ob, n, inf_mode != 0); return 0; }
+#pragma omp parallel for num_threads((int)std::min(threads, chunks)) schedule(static)
+  for (int64_t k = 0; k < chunks; ++k) {
+    int64_t a = k * kGrain, b = std::min(n, a + kGrain);
+    encode_span(level, xb + a * esize(d), d, ob + a, b - a, inf_mode != 0);
+  }
+  return 0;
+}
+
+// The codes of x / scale (fp32 division, saturating) and the number of finite values that
+// reached the overflow threshold.
+int64_t qfa_quantize_flat(const void* x, int64_t dt, uint8_t* out, int64_t n, double scale, int64_t threads, int64_t isa) {
+  int level = pick(isa);
+  if (level < 0) return -1;
+  const char* xb = static_cast<const char*>(x);
+  uint8_t* ob = out;
+  int d = (int)dt;
+  float s = (float)scale;
+  int64_t chunks = (n + kGrain - 1) / kGrain, total = 0;
+  if (chunks <= 1 || threads <= 1) return quantize_span(level, xb, d, ob, n, s);
+#pragma omp parallel for num_threads((int)std::min(threads, chunks)) schedule(static) reduction(+ : total)
+  for (int64_t k = 0; k < chunks; ++k) {
+    int64_t a = k * kGrain, b = std::min(n, a + kGrain);
+    total += quantize_span(level, xb + a * esize(d), d, ob + a, b - a, s);
+  }
+  return total;
+}
+
+}  // extern "C"

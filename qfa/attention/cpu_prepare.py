@@ -1,0 +1,225 @@
+"""The native preparation and cast: ``csrc/cpu_prepare.cpp``, loaded like the attention kernel.
+
+What it computes, per row of 128 values (a head vector):
+
+* ``rotate_rows``: ``H x`` by the Walsh-Hadamard butterfly (:mod:`qfa.attention.rotation` holds
+  the definition: levels h = 1, 2, ..., 64 of ``x[i] + x[i+h]``, ``x[i] - x[i+h]``, then one
+  multiply by fl(1/sqrt(128))), converted to the output's dtype (finite values beyond a narrower
+  dtype saturate);
+* ``prep_stats`` (pass 1 of a tensor): over the valid rows, the float64 sum of squares and the
+  absolute maximum of ``H (x - mu)`` (rotation and K mean optional), and whether a value is NaN
+  or Inf; optionally the K means first (per segment and head, see :func:`key_means`);
+* ``prep_encode`` (pass 2): the HiF8 codes of ``H (x - mu) / scale`` for every row, and the count
+  of finite values that reached the overflow threshold (saturated to +-MAX);
+* ``encode_flat`` / ``quantize_flat``: the plain cast of a contiguous tensor (and of ``x / scale``).
+
+The encoder rounds the 16-bit word of each value (a bf16 pattern, or an fp32 pattern's upper
+half: HiF8 rounding reads nothing below it) with shifts, compares and masks, gather-free: 32
+words a register on AVX-512 (F/BW/DQ/VL), 16 on AVX2, chosen at run time from the CPU's flags
+(the source is compiled without ``-m`` flags; its SIMD functions carry their ISA). Every level
+gives the same bits (the tests run each level the CPU has against the host table, on every
+pattern). The rows are read in place: any strides along batch, head and position, the last
+stride 1; nothing is copied to fp32 first.
+
+The prepare passes run on the calling thread (see the source's header); ``encode_flat`` and
+``quantize_flat`` are parallel above 2^18 elements.
+
+Built on first use with the attention kernel's build helpers (:mod:`qfa.attention.cpu_kernel`:
+its compiler flags, the CPU-flags hash in the build name, ``QFA_NATIVE=0`` to turn native code
+off). Where it cannot be built, :func:`available` says False (and warns once) and callers use
+their torch paths, which compute the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from qfa import csrc
+from qfa.attention import cpu_kernel
+from qfa.cast import format as fmt
+from qfa.cast import rounding
+
+SOURCE = Path(csrc.__file__).resolve().parent / "cpu_prepare.cpp"
+#: SIMD levels the source has (``isa=`` of the entry points; -1 is the best the CPU runs).
+ISA_NAMES = ("scalar", "AVX2", "AVX-512")
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+#: The C entry points: name -> (result, arguments); see the source for each.
+_SIGNATURES = {
+    "qfa_set_constants": (None, [_P]),
+    "qfa_isa_level": (_I, []),
+    "qfa_prep_stats": (_I, [_P, _I, _P, _P, _I, _I, _I, _D, _P, _I, _P]),
+    "qfa_key_means": (_I, [_P, _I, _P, _P, _I, _I, _P]),
+    "qfa_prep_encode": (_I, [_P, _I, _P, _P, _P, _P, _I, _I, _I, _D, _P, _D, _I]),
+    "qfa_rotate_rows": (_I, [_P, _I, _P, _I, _I, _D, _I]),
+    "qfa_encode_flat": (_I, [_P, _I, _P, _I, _I, _I, _I]),
+    "qfa_quantize_flat": (_I, [_P, _I, _P, _I, _D, _I, _I]),
+}
+
+_lock = threading.Lock()
+_module: ctypes.CDLL | None = None
+_failed = False
+
+
+def build_name() -> str:
+    """The extension's name: a hash of the CPU flags and the torch version (torch's loader itself
+    rebuilds when the source or the flags change)."""
+    digest = hashlib.sha1()
+    digest.update(cpu_kernel._cpu_flags().encode())
+    digest.update(torch.__version__.encode())
+    return f"qfa_cpu_prepare_{digest.hexdigest()[:12]}"
+
+
+def _word(value: float) -> int:
+    """The upper 16 bits of ``value``'s fp32 pattern (the encoder's word)."""
+    return (rounding._bits(value) >> 16) & 0xFFFF
+
+
+def constants() -> list[int]:
+    """The format's constants as the source takes them (``set_constants``)."""
+    return [_word(fmt.MAX), _word(fmt.OVERFLOW_THRESHOLD), _word(fmt.MIN_DENORMAL), _word(fmt.UNDERFLOW_THRESHOLD),
+            fmt.NAN_CODE, fmt.POS_INF_CODE, *rounding.BAND_LIMITS, rounding.NAN_BITS & 0xFFFFFFFF]
+
+
+def _build() -> ctypes.CDLL:
+    from torch.utils import cpp_extension
+
+    if not SOURCE.is_file():
+        raise FileNotFoundError(f"{SOURCE} (the native preparation's source, package data of qfa.csrc)")
+    name = build_name()
+    # torch's loader: its cache, its lock against concurrent builds, its rebuild on a changed
+    # source or flags. The library is plain C (no Python module), opened with ctypes below.
+    directory = cpp_extension._get_build_directory(name, verbose=False)
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(cpu_kernel._COMMON_FLAGS),
+                       extra_ldflags=["-lgomp"], build_directory=directory, is_python_module=False, verbose=False)
+    lib = ctypes.CDLL(str(Path(directory) / f"{name}.so"))
+    for fn, (restype, argtypes) in _SIGNATURES.items():
+        getattr(lib, fn).restype = restype
+        getattr(lib, fn).argtypes = argtypes
+    consts = constants()
+    lib.qfa_set_constants((ctypes.c_int64 * len(consts))(*consts))
+    return lib
+
+
+def available() -> bool:
+    """Whether the native preparation runs: built (once, thread-safe) and native code not turned
+    off (``QFA_NATIVE=0``)."""
+    global _module, _failed
+    if not cpu_kernel.enabled():
+        return False
+    if _module is not None:
+        return True
+    if _failed:
+        return False
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                _module = _build()
+            except Exception as exc:  # no compiler, no ninja, a build error, ...
+                _failed = True
+                warnings.warn(f"qfa: the native CPU preparation is unavailable ({exc!r}); the torch paths run "
+                              "instead", stacklevel=2)
+    return _module is not None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the native code can take these tensors: all on the CPU, not being traced by
+    ``torch.compile`` (dynamo traces the torch paths, which compute the same bits), and the
+    extension available."""
+    if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+        return False
+    return available()
+
+
+def module() -> ctypes.CDLL:
+    """The loaded extension (call :func:`available` first)."""
+    if _module is None and not available():
+        raise RuntimeError("the native CPU preparation is not available (see qfa.attention.cpu_prepare.available)")
+    return _module
+
+
+def isa_level() -> int:
+    """The SIMD level the CPU runs (an index into :data:`ISA_NAMES`)."""
+    return module().qfa_isa_level()
+
+
+#: The element types the source takes, by its codes.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _ints(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _checked(result: int, what: str) -> int:
+    if result < 0:
+        raise RuntimeError(f"qfa cpu_prepare.{what}: the SIMD level asked for is not supported by this CPU")
+    return result
+
+
+def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int = -1) -> torch.Tensor:
+    """``H x`` per row of 128 of a contiguous float ``x`` (..., 128), as a new ``out_dtype``
+    tensor of x's shape (finite values beyond a narrower dtype's range saturate)."""
+    out = torch.empty(x.shape, dtype=out_dtype)
+    if x.numel():
+        _checked(module().qfa_rotate_rows(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), DTYPE_CODES[out_dtype],
+                                          x.numel() // 128, c, isa), "rotate_rows")
+    return out
+
+
+def encode_flat(x: torch.Tensor, inf_mode: bool = False, isa: int = -1) -> torch.Tensor:
+    """HiF8 codes (uint8, x's shape) of a contiguous float ``x``: overflow ``"saturate"``, or
+    ``"inf"`` with ``inf_mode``."""
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    if x.numel():
+        _checked(module().qfa_encode_flat(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), x.numel(), int(inf_mode),
+                                          torch.get_num_threads(), isa), "encode_flat")
+    return out
+
+
+def quantize_flat(x: torch.Tensor, scale: float, isa: int = -1) -> tuple[torch.Tensor, int]:
+    """``(codes, saturated)``: the codes of ``x / scale`` (fp32 division, saturating) of a
+    contiguous float ``x`` and the number of finite quotients at or beyond the overflow threshold."""
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    sat = 0
+    if x.numel():
+        sat = _checked(module().qfa_quantize_flat(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), x.numel(), scale,
+                                                  torch.get_num_threads(), isa), "quantize_flat")
+    return out, sat
+
+
+def stats(x: torch.Tensor, strides, segments, heads: int, rotate: bool, c: float,
+          mean_out: torch.Tensor | None = None, isa: int = -1) -> tuple[float, float, bool]:
+    """Pass 1 over the valid rows of ``segments`` (flat (a, s0, valid, all) quadruples) of ``x``
+    seen as (A, N, S, 128) with element ``strides`` (sA, sN, sS): ``(sum of squares, amax,
+    nonfinite)`` of ``H (x - mu)``; with ``mean_out`` (contiguous fp32 (segments, N, 128)) the K
+    means are written there first and subtracted."""
+    result = (ctypes.c_double * 3)()
+    _checked(module().qfa_prep_stats(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments),
+                                     len(segments) // 4, heads, int(rotate), c,
+                                     None if mean_out is None else mean_out.data_ptr(), isa, result), "stats")
+    return result[0], result[1], result[2] != 0.0
+
+
+def key_means(x: torch.Tensor, strides, segments, heads: int, mean_out: torch.Tensor) -> None:
+    """The K means of the valid rows per segment and head into ``mean_out`` (contiguous fp32
+    (segments, N, 128)): the float64 sum over the rows in order, divided by their count, rounded
+    to fp32 (0 where a segment has no valid row)."""
+    module().qfa_key_means(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments), len(segments) // 4,
+                           heads, mean_out.data_ptr())
+
+
+def encode_rows(x: torch.Tensor, strides, out: torch.Tensor, out_strides, segments, heads: int, rotate: bool, c: float,
+                mean: torch.Tensor | None, scale: float, isa: int = -1) -> int:
+    """Pass 2: the codes of ``H (x - mu) / scale`` for every row of ``segments`` into the uint8
+    ``out`` (element strides ``out_strides``); returns the saturated count."""
+    return _checked(module().qfa_prep_encode(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), out.data_ptr(),
+                                             _ints(out_strides), _ints(segments), len(segments) // 4, heads,
+                                             int(rotate), c, None if mean is None else mean.data_ptr(), scale, isa),
+                    "encode_rows")
