@@ -41,6 +41,7 @@ import qfa  # noqa: E402
 from qfa.attention import cpu_kernel  # noqa: E402
 from qfa.cast import fp8, mxfp8  # noqa: E402
 from qfa.tiling import attention as tiling  # noqa: E402
+from qfa.tiling.attention_checks import CAUSAL_MASK_SHAPE  # noqa: E402
 from test_attention_scaled_modes import mx_call, mx_case  # noqa: E402
 
 KINDS = ("transposed", "step", "offset", "expanded")
@@ -257,6 +258,8 @@ def hif8_contiguous(layout: str) -> Case:
         q, k, v = _hif8(2, 3, nq, D, gen=gen), _hif8(2, 40, nkv, D, gen=gen), _hif8(2, 40, nkv, D, gen=gen)
         axis = 2
     args = _hif8_args(q, k, v, seed=10, head_axis=axis, kv_axis=axis) | lengths
+    if layout == "BNSD":  # upstream's compressed causal mask: accepted in mode 3, never read
+        args["attn_mask"] = Arg(torch.ones(CAUSAL_MASK_SHAPE, dtype=torch.int8), filled(0, torch.int8))
     return Case(args, _hif8_run({"layout": layout}), HIF8_BACKENDS)
 
 
@@ -390,8 +393,8 @@ CAST_BACKENDS = ("torch", "triton")
 
 
 def _floats(*shape, seed: int) -> torch.Tensor:
-    x = torch.randn(shape, generator=_gen(seed)) * torch.exp(3 * torch.randn(shape, generator=_gen(seed + 1)))
-    return x
+    """Values over many binades (so each block, row and head has its own scale)."""
+    return torch.randn(shape, generator=_gen(seed)) * torch.exp(3 * torch.randn(shape, generator=_gen(seed + 1)))
 
 
 def cast_case(name: str) -> Case:
@@ -466,6 +469,24 @@ def _reference(case_id: str, backend: str) -> Callable[[], tuple]:
 def test_views_give_the_contiguous_bits(case_id, backend, kind, backend_env):
     backend_env(backend)
     check_views(build(case_id), backend, kind, _reference(case_id, backend))
+
+
+#: (case, argument) pairs whose junk is not read by construction: attn_mask's values never are.
+_UNREAD = {("hif8-BNSD", "attn_mask")}
+
+
+@pytest.mark.parametrize("case_id,name", [(c, n) for c in BUILDERS for n in build(c).args if (c, n) not in _UNREAD])
+def test_junk_read_in_place_of_an_argument_shows(case_id, name, backend_env):
+    """What makes the checks above able to fail: a backend that read an argument's gaps (step,
+    offset) would read its junk, and the junk in place of the argument changes the result (or
+    is refused). Run on the CPU's torch backend, where it is cheap."""
+    backend = _BACKENDS[case_id.split("-")[0]][0]
+    backend_env(backend)
+    case = build(case_id)
+    arg = case.args[name]
+    junk = arg.junk(arg.value.numel()).view(arg.value.shape).view(arg.value.dtype)
+    got = _attempt(case, {n: a.value for n, a in case.args.items()} | {name: junk}, backend)
+    assert isinstance(got, Exception) or not _same(got, _reference(case_id, backend)())
 
 
 @pytest.mark.parametrize("case_id", [c for c in BUILDERS if "PA_" in c])
