@@ -116,13 +116,19 @@ def quant_flash_attn(
 
     Args:
         q, k, v: HiF8 codes (``torch.uint8``, or ``torch_npu.hifloat8``) in one layout:
-            ``BNSD`` (B, N, S, 128), ``BSND`` (B, S, N, 128) or ``TND`` (T, N, 128). GQA: the
-            q head count is a multiple of the k/v head count; q head h reads kv head h // (Nq/Nkv).
+            ``BNSD`` (B, N, S, 128), ``BSND`` (B, S, N, 128) or ``TND`` (T, N, 128); k and v
+            may instead be paged (``block_table``). GQA: the q head count is a multiple of the
+            k/v head count; q head h reads kv head h // (Nq/Nkv).
         q_descale, k_descale, v_descale: fp32 tensors of shape (1,): the real value of a code is
             ``decode(code) * descale``. q and k descales are folded into the softmax scale.
         quant_mode: 0 (``QuantMode.HIF8_PER_TENSOR``); 7, its older number, is accepted.
-        block_table, sinks, win_left, win_right: paged KV, attention sinks and sliding windows
-            (upstream's names); not supported in this mode yet: rejected unless None / -1.
+        block_table: int32 (B, max blocks per sequence) for paged k / v (``layout_kv``
+            ``PA_BBND``: (blocks, block_size, Nkv, 128); ``PA_BNBD``: (blocks, Nkv, block_size,
+            128); block_size a multiple of 16 up to 1024), with ``seqused_kv``: row b lists the
+            blocks of sequence b's keys in order. Bit for bit the call on those keys laid out
+            contiguously.
+        sinks, win_left, win_right: attention sinks and sliding windows (upstream's names); not
+            supported: rejected unless None / -1.
         cu_seqlens_q, cu_seqlens_kv: int32 (B+1,) cumulative lengths with a leading 0; required
             for TND and rejected otherwise.
         seqused_q, seqused_kv: optional int32 (B,) used lengths per batch, in every layout (e.g.
@@ -142,11 +148,16 @@ def quant_flash_attn(
         max_seqlen_q, max_seqlen_kv: optional upper bounds of the used lengths (-1: not given);
             checked when given.
         layout_q, layout_kv, layout_out: per-operand layouts (upstream's names); in this mode
-            all three must be equal. ``layout`` is the shorthand that sets all three; unset,
-            they are ``"BNSD"``. ``layout_q_descale`` must be ``"BSND"`` (a per-tensor scale).
+            all three must be equal, except a paged layout_kv. ``layout`` is the shorthand that
+            sets all three; unset, they are ``"BNSD"``. ``layout_q_descale`` must be ``"BSND"`` (a per-tensor scale).
         return_softmax_lse: also return the natural-log LSE of the scaled scores, fp32
             (B, Nq, Sq) or (Nq, Tq) for TND; otherwise an empty tensor is returned in its place.
         backend: ``"torch"`` or ``"triton"``; None picks by device (``$QFA_BACKEND`` overrides).
+
+    Every tensor argument is read through its own strides and storage offset: any view
+    (transposed, sliced with a step, at an offset, expanded) gives the bits of its contiguous
+    copy, except that paged k / v must not have a zero stride (their blocks would alias). Inputs
+    are never modified.
 
     Returns:
         ``(out, lse)``: out is bf16 in q's layout and shape, rounded half away from zero. Rows
