@@ -14,6 +14,11 @@ hands over to it when its keys are a cache's placeholders::
                                attention_mask=attention_mask, is_causal=is_causal)
         return out, None
 
+A call is all-or-nothing: the queued tokens are encoded into a staged state
+(:meth:`HiF8Layer.stage`) that attention reads and the layer takes only when the call returns;
+one that raises (NaN in the prefill keys, a refused query or option) leaves the layer as it
+was, its tokens still queued.
+
 Each sequence's query rows, rotations and key means are handled on that sequence's own tensors,
 so with equal scales a sequence gets the same bits in a padded batch as alone. The per-tensor
 scales are batch statistics: K and V are fixed by the prefill batch, and q (unless static) is
@@ -29,9 +34,17 @@ from qfa.attention import rotation
 from qfa.attention.dropin_inputs import p_scale_tensor
 from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
 from qfa.attention.smoothing import lse_shift
-from qfa.serving.hif8_cache import CacheHandle, HiF8Cache, HiF8Layer
+from qfa.attention.wording import callers_words
+from qfa.serving.hif8_cache import STATIC_SCALES, CacheHandle, HiF8Cache, HiF8Layer, Staged
 from qfa.tiling.checks import check_bool, check_float_tensor, check_positive_float
 from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode, default_softmax_scale
+
+
+#: The op's names for what cached_attention builds itself, in its caller's words.
+_OP_NAMES = {"q_descale": "q_scale", "k_descale": "k_scale", "v_descale": "v_scale", "mask_mode": "is_causal"}
+_SCALES_NOTE = ("q_scale, k_scale, v_scale: the layer's scales, given in HiF8Cache(scales=...) or computed by the "
+                "calibration rule (q's from query, k's and v's from the prefill)")
+_OP_NOTES = dict.fromkeys(("q_descale", "k_descale", "v_descale"), _SCALES_NOTE)
 
 
 def hif8_cache_of(key) -> tuple[HiF8Cache, int] | None:
@@ -93,6 +106,9 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
     if not isinstance(cache, HiF8Cache):
         raise TypeError(f"cache must be a qfa.serving.HiF8Cache, got {type(cache).__name__}")
     layer = cache.layer(layer_idx)
+    if not layer.is_initialized:
+        raise ValueError(f"layer {layer_idx} of the cache holds no tokens: give them to cache.update(key_states, "
+                         f"value_states, layer_idx) first")
     _check_query(query, layer)
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
@@ -104,13 +120,30 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
     if sq > layer.seen:
         raise ValueError(f"query has {sq} tokens but layer {layer_idx} holds {layer.seen}; update the cache first")
     mask = _key_mask(attention_mask, b, layer.seen)
-    layer.commit(None if mask is None else mask[:, layer.seen - layer.pending:])
+    p_scale = p_scale_tensor(p_scale, query.device)
+    staged = layer.stage(None if mask is None else mask[:, layer.seen - layer.pending:])
+    try:
+        with callers_words(_OP_NAMES, _OP_NOTES):
+            result = _attend(query, cache, layer, staged, mask, scale, is_causal, p_scale, return_softmax_lse,
+                             backend)
+    except BaseException:
+        layer.discard(staged)
+        raise
+    layer.apply(staged)
+    return result
+
+
+def _attend(query: torch.Tensor, cache: HiF8Cache, layer: HiF8Layer, staged: Staged, mask: torch.Tensor | None,
+            scale: float, is_causal: bool, p_scale: torch.Tensor | None, return_softmax_lse: bool,
+            backend: str | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """cached_attention on the ``staged`` state of ``layer`` (checked arguments)."""
+    b, nq, sq, d = query.shape
     if mask is None:  # every query real: each sequence's rows are all of its Sq
         rows, counts = None, [sq] * b
     else:
         rows = [torch.nonzero(mask[i, layer.seen - sq:], as_tuple=True)[0] for i in range(b)]
         counts = [int(r.numel()) for r in rows]
-    if layer.k_scale is None or max(counts) == 0:  # no stored key, or no real query
+    if staged.k_scale is None or max(counts) == 0:  # no stored key, or no real query
         out = query.new_zeros(b, sq, nq, d)
         lse = torch.full((b, nq, sq), float("inf"), dtype=torch.float32, device=query.device)
         return (out, lse) if return_softmax_lse else out
@@ -120,17 +153,18 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
     q_scale = layer.q_scale
     if q_scale is None:
         flat = q_rot[0].reshape(-1) if b == 1 else torch.cat([t.reshape(-1) for t in q_rot])
-        q_scale = cal.check_scale(layer.rule(flat), "q scale from the calibration rule")
+        q_scale = cal.apply_rule(layer.rule, flat, "query", STATIC_SCALES)
     q_codes = _rows_to_batch([cal.quantize(t, q_scale) for t in q_rot], counts, max(counts), 1, 0)  # BNSD
     mask_mode = MaskMode.CAUSAL if is_causal else MaskMode.NONE
     seqused_q = torch.tensor(counts, dtype=torch.int32, device=query.device)
-    seqused_kv = layer.lengths.to(torch.int32)
-    key = (tuple(counts), layer.host_lengths, nq, layer.keys.shape[1], int(mask_mode), query.device)
+    seqused_kv = staged.lengths.to(torch.int32)
+    nkv = staged.k_store.shape[1]
+    key = (tuple(counts), staged.host_lengths, nq, nkv, int(mask_mode), query.device)
     metadata = cache.shared_plan(key, lambda: quant_flash_attn_metadata(
-        nq, layer.keys.shape[1], layout="BNSD", seqused_q=seqused_q, seqused_kv=seqused_kv, mask_mode=mask_mode))
+        nq, nkv, layout="BNSD", seqused_q=seqused_q, seqused_kv=seqused_kv, mask_mode=mask_mode))
     o, l = quant_flash_attn(
-        q_codes, layer.keys, layer.values, q_scale, layer.k_scale, layer.v_scale, QuantMode.HIF8_PER_TENSOR,
-        p_scale=p_scale_tensor(p_scale, query.device), layout="BNSD", seqused_q=seqused_q, seqused_kv=seqused_kv,
+        q_codes, staged.keys, staged.values, q_scale, staged.k_scale, staged.v_scale, QuantMode.HIF8_PER_TENSOR,
+        p_scale=p_scale, layout="BNSD", seqused_q=seqused_q, seqused_kv=seqused_kv,
         metadata=metadata, mask_mode=mask_mode, softmax_scale=scale, return_softmax_lse=return_softmax_lse,
         backend=backend,
     )
@@ -141,8 +175,8 @@ def cached_attention(module, query: torch.Tensor, cache: HiF8Cache, layer_idx: i
         outs.append(o_i.to(query.dtype))
         if return_softmax_lse:
             l_i = l[i, :, :counts[i]]
-            if layer.k_mean is not None:  # the scores were q.(k - mu): add q.mu back
-                shift = lse_shift(q_seq[i][None], layer.k_mean[i][None], "BNSD", None, scale)[0]
+            if staged.k_mean is not None:  # the scores were q.(k - mu): add q.mu back
+                shift = lse_shift(q_seq[i][None], staged.k_mean[i][None], "BNSD", None, scale)[0]
                 l_i = torch.where(torch.isinf(l_i), l_i, l_i + shift)
             lses.append(l_i)
     out = _rows_to_batch(outs, counts, sq, 1, 0, rows).transpose(1, 2).contiguous()  # BSND

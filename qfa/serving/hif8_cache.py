@@ -29,10 +29,18 @@ without the attention mask) only queues the new float K/V and returns placeholde
 :func:`qfa.serving.attention.cached_attention` then encodes the queued tokens with the mask it
 is given and runs attention on the codes. The placeholders hold no data: any other use of them
 (e.g. ``attn_implementation="sdpa"`` with this cache) raises an error saying so.
+
+Every operation is all-or-nothing. ``update`` checks the new tokens against the layer (and
+fixes its batch and head geometry only with tokens it accepts); the attention call encodes the
+queued tokens into a :class:`Staged` state (scales and key means of a first call, codes,
+counts, lengths) that the layer takes only once attention has succeeded. A call that raises
+leaves the layer exactly as it was: its tokens still queued, no scale or mean fixed, the codes
+past each sequence's length still 0.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -52,6 +60,11 @@ ScaleTriple = tuple  # (q_scale | None, k_scale | None, v_scale | None)
 #: (a 2048-token prefill gets room for 2112: at most 0.516x a bf16 DynamicCache's bytes there,
 #: inside the README's <= 0.52x; 256 tokens or 1/16 of headroom would not be).
 GROWTH_DIVISOR = 32
+
+#: How a caller of the cache gives static scales (said by the error on NaN/Inf in calibrated tokens).
+STATIC_SCALES = "HiF8Cache(scales=...)"
+#: The names of a layer's scale triple.
+SCALE_NAMES = ("q_scale", "k_scale", "v_scale")
 
 #: What may be done with a :class:`CacheHandle`: read its metadata.
 _HANDLE_METADATA = {
@@ -93,6 +106,35 @@ class CacheHandle(torch.Tensor):
         return f"CacheHandle(layer {self.layer_idx}, shape {shape})"
 
 
+@dataclass
+class Staged:
+    """A layer's state with its queued tokens encoded: what an attention call reads, and what
+    :meth:`HiF8Layer.apply` makes the layer's once the call has succeeded.
+
+    ``written`` lists the ``(row, start, count)`` runs written into the layer's own code tensors
+    past its sequences' lengths (their spare capacity, 0 until then), which
+    :meth:`HiF8Layer.discard` zeroes again; a grown state has its own tensors and none."""
+
+    k_store: torch.Tensor
+    v_store: torch.Tensor
+    host_lengths: tuple[int, ...]
+    lengths: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    k_mean: torch.Tensor | None
+    saturated_k: torch.Tensor | int
+    saturated_v: torch.Tensor | int
+    written: list[tuple[int, int, int]]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.k_store[:, :, :max(self.host_lengths, default=0)]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.v_store[:, :, :max(self.host_lengths, default=0)]
+
+
 class HiF8Layer(DynamicLayer):
     """One layer of a :class:`HiF8Cache`: codes, frozen scales and key means, counts.
 
@@ -116,7 +158,9 @@ class HiF8Layer(DynamicLayer):
         self.rule = cal.get_rule(calibration)
         self.smooth_k, self.rotate = check_bool(smooth_k, "smooth_k"), check_bool(rotate, "rotate")
         self.q_scale = self.k_scale = self.v_scale = None
-        self._given = _scale_triple(scales)
+        # checked now (devices come with the first tokens): a bad scale is refused at construction
+        self._given = tuple(None if s is None else cal.check_scale(s, n)
+                            for s, n in zip(_scale_triple(scales), SCALE_NAMES))
         self.k_mean: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.host_lengths: tuple[int, ...] = ()
@@ -148,35 +192,46 @@ class HiF8Layer(DynamicLayer):
         """Token columns given to ``update`` and not yet encoded (done by the attention call)."""
         return sum(k.shape[2] for k, _ in self._pending)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def check_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Whether :meth:`queue` takes these tokens: float (B, Nkv, S_new, 128), one shape for
+        both, and the layer's batch, heads and device once it has them. Changes nothing."""
         for t, name in ((key_states, "key_states"), (value_states, "value_states")):
             check_float_tensor(t, name)
             if t.dim() != 4 or t.shape[-1] != HEAD_DIM:
                 raise ValueError(f"HiF8Cache needs {name} of shape (B, Nkv, S, {HEAD_DIM}) (the HiF8 op's only head "
                                  f"size), got {tuple(t.shape)}")
+        if value_states.shape != key_states.shape:
+            raise ValueError(f"value_states must have key_states' shape {tuple(key_states.shape)}, got "
+                             f"{tuple(value_states.shape)}")
+        if value_states.device != key_states.device:
+            raise ValueError(f"value_states must be on key_states' device {key_states.device}, got "
+                             f"{value_states.device}")
+        if self.is_initialized:
+            expected = (self.keys.shape[0], self.keys.shape[1], key_states.shape[2], HEAD_DIM)
+            if tuple(key_states.shape) != expected:
+                raise ValueError(f"key_states must have shape (B, Nkv, S_new, D) = {expected} for this layer, got "
+                                 f"{tuple(key_states.shape)}")
+            if key_states.device != self.device:
+                raise ValueError(f"key_states must be on this layer's device {self.device}, got {key_states.device}")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.check_new(key_states, value_states)
         b, n, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         self._set_store(torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device),
                         torch.zeros(b, n, 0, d, dtype=torch.uint8, device=self.device), (0,) * b)
-        q, k, v = self._given
-        self.q_scale = None if q is None else cal.check_scale(q, "q_scale", self.device)
-        self.k_scale = None if k is None else cal.check_scale(k, "k_scale", self.device)
-        self.v_scale = None if v is None else cal.check_scale(v, "v_scale", self.device)
+        self.q_scale, self.k_scale, self.v_scale = (None if s is None else s.to(self.device) for s in self._given)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise TypeError("HiF8Layer.update needs its cache: call HiF8Cache.update(key_states, value_states, layer_idx)")
 
     def queue(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Queue new float K/V (B, Nkv, S_new, 128) for encoding by the next attention call."""
+        """Queue new float K/V (B, Nkv, S_new, 128) for encoding by the next attention call
+        (the first tokens fix the layer's batch, heads and device; refused ones fix nothing)."""
+        self.check_new(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        expected = (self.keys.shape[0], self.keys.shape[1], key_states.shape[2], HEAD_DIM)
-        for t, name in ((key_states, "key_states"), (value_states, "value_states")):
-            check_float_tensor(t, name)
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape (B, Nkv, S_new, D) = {expected} for this layer, got "
-                                 f"{tuple(t.shape)}")
         self._pending.append((key_states.detach(), value_states.detach()))
         self.seen += key_states.shape[2]
 
@@ -185,12 +240,25 @@ class HiF8Layer(DynamicLayer):
 
     def commit(self, valid: torch.Tensor | None) -> None:
         """Encode the queued tokens. ``valid``: bool (B, pending) marking the real (non-padding)
-        tokens among them, or None (all real). The first tokens fix the scales and key means."""
+        tokens among them, or None (all real). The first tokens fix the scales and key means.
+        All or nothing (:meth:`stage`, then :meth:`apply`)."""
+        self.apply(self.stage(valid))
+
+    def _current(self) -> Staged:
+        return Staged(self._k_store, self._v_store, self.host_lengths, self.lengths, self.k_scale, self.v_scale,
+                      self.k_mean, self._saturated_k, self._saturated_v, [])
+
+    def stage(self, valid: torch.Tensor | None) -> Staged:
+        """The layer's state with the queued tokens encoded (see :meth:`commit` for ``valid``),
+        without making it the layer's: the scales and key means a first call fixes, the codes,
+        lengths and counts are the returned :class:`Staged`'s. The new codes are written into
+        the layer's spare capacity when they fit (never read until :meth:`apply`; zeroed again
+        by :meth:`discard`), else into grown copies. Raises (changing nothing) on tokens whose
+        computed scale is refused (NaN or Inf)."""
         if not self._pending:
-            return
+            return self._current()
         k = _cat([p[0] for p in self._pending], dim=2)
         v = _cat([p[1] for p in self._pending], dim=2)
-        self._pending = []
         b, _, s, _ = k.shape
         if valid is None:  # every token real: no mask to read, no gather
             counts = [s] * b
@@ -204,40 +272,62 @@ class HiF8Layer(DynamicLayer):
             k_seq = [k[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]
             v_seq = [v[i][:, idx].transpose(0, 1).contiguous() for i, idx in enumerate(index)]
         if sum(counts) == 0:  # only padding: nothing to store, nothing to calibrate on
-            return
-        if self.smooth_k and self.k_mean is None:
-            self.k_mean = torch.stack([_mean(t, k.shape[1]) for t in k_seq])
+            return self._current()
+        k_mean = self.k_mean
+        if self.smooth_k and k_mean is None:
+            k_mean = torch.stack([_mean(t, k.shape[1]) for t in k_seq])
         if self.smooth_k:
-            k_seq = [t.float() - self.k_mean[i] for i, t in enumerate(k_seq)]
+            k_seq = [t.float() - k_mean[i] for i, t in enumerate(k_seq)]
         if self.rotate:
             k_seq = [rotation.rotate(t) for t in k_seq]
             v_seq = [rotation.rotate(t) for t in v_seq]
         k_new, v_new = _cat(k_seq), _cat(v_seq)  # (sum n_i, Nkv, D), batch-major
-        if self.k_scale is None:
-            self.k_scale = cal.check_scale(self.rule(k_new), "k scale from the calibration rule")
-        if self.v_scale is None:
-            self.v_scale = cal.check_scale(self.rule(v_new), "v scale from the calibration rule")
-        k_codes, k_sat = encode(k_new, self.k_scale)
-        v_codes, v_sat = encode(v_new, self.v_scale)
-        self._saturated_k = self._saturated_k + k_sat
-        self._saturated_v = self._saturated_v + v_sat
-        self._write(k_codes, v_codes, counts)
+        # what is calibrated is smoothed and rotated, but NaN/Inf there comes from the caller's K/V
+        k_scale = self.k_scale if self.k_scale is not None else cal.apply_rule(
+            self.rule, k_new, "key_states (given to HiF8Cache.update)", STATIC_SCALES)
+        v_scale = self.v_scale if self.v_scale is not None else cal.apply_rule(
+            self.rule, v_new, "value_states (given to HiF8Cache.update)", STATIC_SCALES)
+        k_codes, k_sat = encode(k_new, k_scale)
+        v_codes, v_sat = encode(v_new, v_scale)
+        k_store, v_store, lengths, written = self._written(k_codes, v_codes, counts)
+        return Staged(k_store, v_store, lengths, torch.tensor(lengths, dtype=torch.long, device=k_store.device),
+                      k_scale, v_scale, k_mean, self._saturated_k + k_sat, self._saturated_v + v_sat, written)
 
-    def _write(self, k_codes: torch.Tensor, v_codes: torch.Tensor, counts: list[int]) -> None:
-        """Append each sequence's new codes after its stored ones (compacted rows), in place when
-        they fit the capacity; otherwise grow first (see :data:`GROWTH_DIVISOR`)."""
+    def _written(self, k_codes: torch.Tensor, v_codes: torch.Tensor, counts: list[int]):
+        """``(k_store, v_store, lengths, written)``: each sequence's new codes after its stored
+        ones (compacted rows), in the layer's tensors past its lengths when they fit the
+        capacity (``written``: those runs); otherwise in grown copies (see :data:`GROWTH_DIVISOR`)."""
         new_lengths = tuple(a + c for a, c in zip(self.host_lengths, counts))
         need = max(new_lengths, default=0)
         k_store, v_store = self._k_store, self._v_store
-        if need > k_store.shape[2]:
+        in_place = need <= k_store.shape[2]
+        if not in_place:
             k_store, v_store = _grown(k_store, need), _grown(v_store, need)
-        start = 0
+        start, written = 0, []
         for i, (old, c) in enumerate(zip(self.host_lengths, counts)):
             if c:
                 k_store[i, :, old:old + c] = k_codes[start:start + c].transpose(0, 1)
                 v_store[i, :, old:old + c] = v_codes[start:start + c].transpose(0, 1)
+                written.append((i, old, c))
             start += c
-        self._set_store(k_store, v_store, new_lengths)
+        return k_store, v_store, new_lengths, written if in_place else []
+
+    def apply(self, staged: Staged) -> None:
+        """Make ``staged`` (from :meth:`stage`, nothing changed since) the layer's state: the
+        queued tokens are then stored."""
+        self._k_store, self._v_store = staged.k_store, staged.v_store
+        self.host_lengths, self.lengths = staged.host_lengths, staged.lengths
+        self.keys, self.values = staged.keys, staged.values
+        self.k_scale, self.v_scale, self.k_mean = staged.k_scale, staged.v_scale, staged.k_mean
+        self._saturated_k, self._saturated_v = staged.saturated_k, staged.saturated_v
+        self._pending = []
+
+    def discard(self, staged: Staged) -> None:
+        """Drop ``staged`` (from :meth:`stage`): the codes it wrote into the layer's spare
+        capacity are zeroed again, so the layer is exactly as before the stage."""
+        for i, old, c in staged.written:
+            self._k_store[i, :, old:old + c] = 0
+            self._v_store[i, :, old:old + c] = 0
 
     def _set_store(self, k_store: torch.Tensor, v_store: torch.Tensor, lengths: tuple[int, ...]) -> None:
         self._k_store, self._v_store = k_store, v_store
@@ -313,13 +403,20 @@ def _mean(tokens: torch.Tensor, heads: int) -> torch.Tensor:
     return tokens.float().mean(dim=0)
 
 
-def _scale_triple(scales) -> tuple:
+def _scale_triple(scales, name: str = "a layer's scales") -> tuple:
     if scales is None:
         return (None, None, None)
     if not isinstance(scales, (tuple, list)) or len(scales) != 3:
-        raise TypeError(f"a layer's scales must be a tuple (q_scale, k_scale, v_scale) (entries may be None), "
+        raise TypeError(f"{name} must be a tuple (q_scale, k_scale, v_scale) (entries may be None), "
                         f"got {type(scales).__name__}")
     return tuple(scales)
+
+
+def _checked_triple(scales, name: str) -> None:
+    """``scales`` (one layer's entry of ``HiF8Cache(scales=)``, called ``name``) as a layer takes it."""
+    for j, (s, n) in enumerate(zip(_scale_triple(scales, name), SCALE_NAMES)):
+        if s is not None:
+            cal.check_scale(s, f"{name}[{j}] ({n})")
 
 
 class HiF8Cache(Cache):
@@ -352,6 +449,14 @@ class HiF8Cache(Cache):
         if scales is not None and not isinstance(scales, (Sequence, Mapping)):
             raise TypeError(f"scales must be a sequence or mapping of (q_scale, k_scale, v_scale) per layer, "
                             f"got {type(scales).__name__}")
+        if isinstance(scales, Mapping):
+            for i, triple in scales.items():
+                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                    raise TypeError(f"scales' keys must be layer indices (ints >= 0), got {i!r}")
+                _checked_triple(triple, f"scales[{i}]")
+        elif scales is not None:
+            for i, triple in enumerate(scales):
+                _checked_triple(triple, f"scales[{i}]")
         self.static_scales = scales
         layers = []
         if config is not None:
@@ -385,16 +490,24 @@ class HiF8Cache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Queue the new K/V of ``layer_idx`` (encoded by the attention call) and return
-        :class:`CacheHandle` placeholders of the keys' and values' full shape."""
-        while len(self.layers) <= layer_idx:
-            self.layers.append(self._new_layer(len(self.layers)))
-        layer = self.layers[layer_idx]
+        :class:`CacheHandle` placeholders of the keys' and values' full shape. Refused tokens
+        change nothing (no layer is created, no geometry fixed)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
+        if layer_idx < 0:
+            raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
+        new = [self._new_layer(i) for i in range(len(self.layers), layer_idx + 1)]
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else new[-1]
+        layer.check_new(key_states, value_states)
+        self.layers.extend(new)
         layer.queue(key_states, value_states)
         shape = (layer.keys.shape[0], layer.keys.shape[1], layer.seen, HEAD_DIM)
         return (CacheHandle(shape, key_states.dtype, key_states.device, self, layer_idx),
                 CacheHandle(shape, value_states.dtype, value_states.device, self, layer_idx))
 
     def layer(self, layer_idx: int) -> HiF8Layer:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx must be in [0, {len(self.layers)}) (layers updated so far), got {layer_idx}")
         return self.layers[layer_idx]
