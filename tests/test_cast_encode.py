@@ -2,7 +2,9 @@
 
 fp16 and bf16 are checked exhaustively; fp32 at every level, every rounding midpoint and their
 ulp neighbours, plus a large seeded random batch and hypothesis-drawn bit patterns. Every value
-test runs on both torch paths: the TorchInductor-compiled one (large tensors) and eager torch.
+test runs on every path: the native encoder at each SIMD level the CPU has (scalar, AVX2,
+AVX-512; the default on CPU, see qfa.attention.cpu_prepare), and the torch path (``QFA_NATIVE=0``)
+both TorchInductor-compiled (large tensors) and in eager torch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 import qfa
 import spec_reference as spec
 from qfa import _compile
+from qfa.attention import cpu_kernel, cpu_prepare
 from qfa.cast import torch_path
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
@@ -74,16 +77,47 @@ def compiled_ran(fn) -> bool:
     return fn in _compile._compiled and fn not in _compile._failed
 
 
+#: The native levels by name (an index into cpu_prepare.ISA_NAMES).
+NATIVE_PATHS = {f"native-{name}": level for level, name in enumerate(cpu_prepare.ISA_NAMES)}
+
+
+@pytest.fixture(params=[*NATIVE_PATHS, "compiled", "eager"])
+def path(request, monkeypatch):
+    """The encode path a value test runs on (overrides conftest's torch-only fixture)."""
+    if request.param in NATIVE_PATHS:
+        level = NATIVE_PATHS[request.param]
+        if not cpu_prepare.available():
+            pytest.skip("the native CPU preparation is not built (no compiler?)")
+        if level > cpu_prepare.isa_level():
+            pytest.skip(f"this CPU lacks {' / '.join(cpu_prepare.ISA_FLAGS[level])} for {request.param}")
+        monkeypatch.setattr(cpu_prepare, "ISA", level)
+    else:
+        monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")  # the torch path
+        monkeypatch.setenv(_compile.ENV_VAR, "0" if request.param == "eager" else "1")
+    return request.param
+
+
+#: Elements past which the native encode runs in parallel chunks (the source's kGrain).
+NATIVE_PARALLEL = 1 << 18
+
+
 def encode_on(x: torch.Tensor, overflow: str, path: str) -> torch.Tensor:
-    """Encode on the requested path; only tensors of COMPILE_MIN_ELEMENTS or more get compiled,
-    so a small input is tiled up to that size (every copy must come out the same)."""
-    n, minimum = x.numel(), torch_path.COMPILE_MIN_ELEMENTS
+    """Encode on the requested path. Only tensors of COMPILE_MIN_ELEMENTS or more get compiled,
+    and the native encode is parallel past NATIVE_PARALLEL elements, so a small input is tiled
+    up to that size, plus a ragged tail (every copy must come out the same)."""
+    n = x.numel()
     if path == "eager":
         return qfa.encode_to_hifloat8(x, overflow=overflow)
+    minimum = torch_path.COMPILE_MIN_ELEMENTS if path == "compiled" else NATIVE_PARALLEL + 1
     reps = -(-minimum // n)
-    tiled = qfa.encode_to_hifloat8(x.reshape(-1).repeat(reps), overflow=overflow).view(reps, n)
-    assert compiled_ran(torch_path.encode_bits), "the compiled path did not run"
+    flat = x.reshape(-1)
+    tail = min(n, 37)
+    codes = qfa.encode_to_hifloat8(torch.cat([flat.repeat(reps), flat[:tail]]), overflow=overflow)
+    if path == "compiled":
+        assert compiled_ran(torch_path.encode_bits), "the compiled path did not run"
+    tiled = codes[:reps * n].view(reps, n)
     assert torch.equal(tiled, tiled[:1].expand(reps, n)), "copies of the same input encoded differently"
+    assert torch.equal(codes[reps * n:], tiled[0, :tail]), "the ragged tail encoded differently"
     return tiled[0].view(x.shape)
 
 
@@ -312,6 +346,7 @@ def test_compiled_path_matches_eager_and_reference(monkeypatch, half_reference):
     enough of them hit dynamo's recompile limit."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")  # the torch path
     monkeypatch.setenv(_compile.ENV_VAR, "1")
     x = all_patterns(torch.bfloat16).repeat(3)
     x = torch.cat([x, x[12345 : 12345 + 17]])

@@ -48,6 +48,11 @@ from qfa.cast import rounding
 SOURCE = Path(csrc.__file__).resolve().parent / "cpu_prepare.cpp"
 #: SIMD levels the source has (``isa=`` of the entry points; -1 is the best the CPU runs).
 ISA_NAMES = ("scalar", "AVX2", "AVX-512")
+#: The CPU flags each level needs (what a test that skips a level names).
+ISA_FLAGS = ((), ("avx2", "f16c", "popcnt"), ("avx512f", "avx512bw", "avx512dq", "avx512vl"))
+#: The level the entry points run when none is passed: -1, the best the CPU has (tests set a
+#: lower one to check that every level gives the same bits).
+ISA = -1
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 #: The C entry points: name -> (result, arguments); see the source for each.
@@ -157,45 +162,49 @@ def _ints(values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
+def _isa(isa: int | None) -> int:
+    return ISA if isa is None else isa
+
+
 def _checked(result: int, what: str) -> int:
     if result < 0:
         raise RuntimeError(f"qfa cpu_prepare.{what}: the SIMD level asked for is not supported by this CPU")
     return result
 
 
-def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int = -1) -> torch.Tensor:
+def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int | None = None) -> torch.Tensor:
     """``H x`` per row of 128 of a contiguous float ``x`` (..., 128), as a new ``out_dtype``
     tensor of x's shape (finite values beyond a narrower dtype's range saturate)."""
     out = torch.empty(x.shape, dtype=out_dtype)
     if x.numel():
         _checked(module().qfa_rotate_rows(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), DTYPE_CODES[out_dtype],
-                                          x.numel() // 128, c, isa), "rotate_rows")
+                                          x.numel() // 128, c, _isa(isa)), "rotate_rows")
     return out
 
 
-def encode_flat(x: torch.Tensor, inf_mode: bool = False, isa: int = -1) -> torch.Tensor:
+def encode_flat(x: torch.Tensor, inf_mode: bool = False, isa: int | None = None) -> torch.Tensor:
     """HiF8 codes (uint8, x's shape) of a contiguous float ``x``: overflow ``"saturate"``, or
     ``"inf"`` with ``inf_mode``."""
     out = torch.empty(x.shape, dtype=torch.uint8)
     if x.numel():
         _checked(module().qfa_encode_flat(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), x.numel(), int(inf_mode),
-                                          torch.get_num_threads(), isa), "encode_flat")
+                                          torch.get_num_threads(), _isa(isa)), "encode_flat")
     return out
 
 
-def quantize_flat(x: torch.Tensor, scale: float, isa: int = -1) -> tuple[torch.Tensor, int]:
+def quantize_flat(x: torch.Tensor, scale: float, isa: int | None = None) -> tuple[torch.Tensor, int]:
     """``(codes, saturated)``: the codes of ``x / scale`` (fp32 division, saturating) of a
     contiguous float ``x`` and the number of finite quotients at or beyond the overflow threshold."""
     out = torch.empty(x.shape, dtype=torch.uint8)
     sat = 0
     if x.numel():
         sat = _checked(module().qfa_quantize_flat(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), x.numel(), scale,
-                                                  torch.get_num_threads(), isa), "quantize_flat")
+                                                  torch.get_num_threads(), _isa(isa)), "quantize_flat")
     return out, sat
 
 
 def stats(x: torch.Tensor, strides, segments, heads: int, rotate: bool, c: float,
-          mean_out: torch.Tensor | None = None, isa: int = -1) -> tuple[float, float, bool]:
+          mean_out: torch.Tensor | None = None, isa: int | None = None) -> tuple[float, float, bool]:
     """Pass 1 over the valid rows of ``segments`` (flat (a, s0, valid, all) quadruples) of ``x``
     seen as (A, N, S, 128) with element ``strides`` (sA, sN, sS): ``(sum of squares, amax,
     nonfinite)`` of ``H (x - mu)``; with ``mean_out`` (contiguous fp32 (segments, N, 128)) the K
@@ -203,7 +212,7 @@ def stats(x: torch.Tensor, strides, segments, heads: int, rotate: bool, c: float
     result = (ctypes.c_double * 3)()
     _checked(module().qfa_prep_stats(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments),
                                      len(segments) // 4, heads, int(rotate), c,
-                                     None if mean_out is None else mean_out.data_ptr(), isa, result), "stats")
+                                     None if mean_out is None else mean_out.data_ptr(), _isa(isa), result), "stats")
     return result[0], result[1], result[2] != 0.0
 
 
@@ -216,10 +225,10 @@ def key_means(x: torch.Tensor, strides, segments, heads: int, mean_out: torch.Te
 
 
 def encode_rows(x: torch.Tensor, strides, out: torch.Tensor, out_strides, segments, heads: int, rotate: bool, c: float,
-                mean: torch.Tensor | None, scale: float, isa: int = -1) -> int:
+                mean: torch.Tensor | None, scale: float, isa: int | None = None) -> int:
     """Pass 2: the codes of ``H (x - mu) / scale`` for every row of ``segments`` into the uint8
     ``out`` (element strides ``out_strides``); returns the saturated count."""
     return _checked(module().qfa_prep_encode(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), out.data_ptr(),
                                              _ints(out_strides), _ints(segments), len(segments) // 4, heads,
-                                             int(rotate), c, None if mean is None else mean.data_ptr(), scale, isa),
+                                             int(rotate), c, None if mean is None else mean.data_ptr(), scale, _isa(isa)),
                     "encode_rows")
