@@ -54,7 +54,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
-from qfa.attention import distributed
+from qfa.attention import cpu_prepare, distributed
 from qfa.cast import format as fmt
 
 #: A calibration rule: float tensor -> fp32 scale of shape (1,).
@@ -365,6 +365,8 @@ def quantize(x: torch.Tensor, scale) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     scale = check_scale(scale, "scale", x.device)
+    if x.dtype in cpu_prepare.DTYPE_CODES and cpu_prepare.usable(x):  # the same bits in one pass, no fp32 copy
+        return cpu_prepare.quantize_flat(x.detach().contiguous(), float(scale))[0]
     return encode_to_hifloat8(x.float() / scale, overflow="saturate")
 
 
