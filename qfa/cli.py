@@ -16,7 +16,11 @@ COMMANDS = {
     "eval-ppl": ("qfa.tools.eval_ppl", "perplexity / top-1 agreement / KL of attention implementations on a local model"),
     "generate": ("qfa.tools.generate", "prefill + greedy decode per attention implementation: tokens/s, KV-cache bytes, "
                  "agreement"),
+    "calibrate": ("qfa.tools.calibrate", "measure each layer's HiF8 KV-cache scales and key means for the vLLM plugin"),
 }
+#: Commands whose arguments go to another program's parser as they are.
+PASSTHROUGH = {"serve": ("qfa.integrations.vllm.serve", "vLLM's OpenAI-compatible server with qfa's HiF8 KV cache "
+                         "(qfa serve MODEL [--calibration FILE] [vllm serve arguments])")}
 BENCHES = {
     "cast": ("qfa.tools.bench.cast", "HiF8 encode/decode throughput vs torch's native fp8 cast and a copy"),
     "attention": ("qfa.tools.bench.attention", "quant_flash_attn torch path vs SDPA: time, GFLOP/s, memory, accuracy"),
@@ -37,6 +41,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         _add(sub, name, module, help_text, chosen=words[:1] == [name])
+    for name, (_, help_text) in PASSTHROUGH.items():
+        sub.add_parser(name, help=help_text, description=help_text, add_help=False)
     bench = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in BENCHES.items():
@@ -46,5 +52,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in PASSTHROUGH:
+        return int(importlib.import_module(PASSTHROUGH[argv[0]][0]).main(argv[1:]) or 0)
     args = build_parser(argv).parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)

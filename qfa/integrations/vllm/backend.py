@@ -9,8 +9,11 @@ with HiF8 codes:
   (:class:`~qfa.integrations.vllm.layer_state.LayerState`: the K mean subtracted, the Hadamard
   rotation, the K/V scales; from the calibration file, or fixed by the first tokens written)
   and writes their codes at ``slot_mapping``. Values beyond a scale saturate and are counted.
-* ``forward`` rotates and quantises the step's queries (one per-tensor scale per call, from the
-  calibration rule; the same on every tensor-parallel rank) and runs the whole batch, prefill
+* ``forward`` rotates and quantises the step's queries with the layer's static query scale
+  (from the file, or fixed by the rule on the layer's first call, the same on every
+  tensor-parallel rank; ``q_scale="call"`` measures each call's batch instead). A static scale
+  keeps a request's numbers independent of the other requests in its batch. It runs the whole
+  batch, prefill
   chunks and decodes alike, as **one** ``quant_flash_attn`` call: TND queries delimited by
   ``query_start_loc``, K and V as ``PA_BNBD`` views of the cache read through ``block_table``
   and ``seq_lens``, causal aligned bottom-right, GQA. The cache is never gathered, copied or
@@ -265,8 +268,12 @@ class QfaHiF8Impl(AttentionImpl):
         if state is None:  # no key written yet (every sequence empty): nothing to attend to
             out.zero_()
             return output
-        q = state.transform.rotated(query[:n].view(n, self.num_heads, self.head_size))
-        q_scale = measured_scale(q, self.rule, "query", _tp_group())
+        q = state.prepare_queries(query[:n].view(n, self.num_heads, self.head_size))
+        q_scale = state.q_scale
+        if q_scale is None or self.options.q_scale == "call":
+            q_scale = measured_scale(q, self.rule, "query", _tp_group())
+            if self.options.q_scale == "static":
+                state.q_scale = q_scale
         k_cache, v_cache = cache_views(kv_cache)
         o, _ = quant_flash_attn(
             cal.quantize(q, q_scale), k_cache, v_cache, q_scale, state.k_scale, state.v_scale,

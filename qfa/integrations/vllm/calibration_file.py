@@ -7,7 +7,8 @@ can read it and every rank of a tensor-parallel engine reads the same numbers::
     {"format": "qfa-hif8-kv-calibration", "version": 1,
      "model": {"num_layers": 28, "num_kv_heads": 2, "head_dim": 128},
      "smooth_k": true, "rotate": true, "rule": "rms", "tokens": 4096,
-     "layers": [{"k_scale": 0.5, "v_scale": 0.125, "k_mean": [[...128 floats...], ...]}, ...]}
+     "layers": [{"q_scale": 1.0, "k_scale": 0.5, "v_scale": 0.125, "k_mean": [[...128 floats...], ...]},
+                ...]}
 
 K means are per kv head of the whole (unsharded) model: a tensor-parallel rank takes the rows
 of the kv heads it holds (:func:`rank_heads`).
@@ -47,7 +48,8 @@ class CalibrationFileError(ValueError):
 
 @dataclass(frozen=True)
 class Calibration:
-    """A loaded calibration file: per layer, ``(k_scale, v_scale, k_mean or None)`` as floats."""
+    """A loaded calibration file: per layer, ``(k_scale, v_scale, k_mean or None, q_scale or
+    None)`` as floats."""
 
     path: str
     shape: ModelShape
@@ -73,12 +75,12 @@ class Calibration:
 
     def layer_state(self, layer: int, heads: Sequence[int], device: torch.device | str = "cpu") -> LayerState:
         """Layer ``layer``'s state for a rank holding kv heads ``heads`` (of the whole model)."""
-        k_scale, v_scale, mean = self.layers[layer]
+        k_scale, v_scale, mean, q_scale = self.layers[layer]
         k_mean = None
         if mean is not None:
             k_mean = torch.tensor([mean[h] for h in heads], dtype=torch.float32, device=device)
-        return LayerState(torch.tensor([k_scale], dtype=torch.float32, device=device),
-                          torch.tensor([v_scale], dtype=torch.float32, device=device), k_mean, self.transform)
+        as_scale = lambda x: None if x is None else torch.tensor([x], dtype=torch.float32, device=device)  # noqa: E731
+        return LayerState(as_scale(k_scale), as_scale(v_scale), k_mean, self.transform, q_scale=as_scale(q_scale))
 
 
 def rank_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
@@ -100,7 +102,8 @@ def write(path: os.PathLike | str, shape: ModelShape, states: Sequence[LayerStat
     if len(transforms) != 1:
         raise ValueError(f"every layer must be measured with one transform, got {sorted(map(str, transforms))}")
     (transform,) = transforms
-    layers = [{"k_scale": float(s.k_scale), "v_scale": float(s.v_scale),
+    layers = [{"q_scale": None if s.q_scale is None else float(s.q_scale),
+               "k_scale": float(s.k_scale), "v_scale": float(s.v_scale),
                "k_mean": None if s.k_mean is None else s.k_mean.tolist()} for s in states]
     doc = {"format": FORMAT, "version": VERSION, "model": shape.as_dict(), "smooth_k": transform.smooth_k,
            "rotate": transform.rotate, "rule": rule, "tokens": int(tokens), "layers": layers}
@@ -148,6 +151,9 @@ def load(path: os.PathLike | str) -> Calibration:
             raise CalibrationFileError(f"{where}: expected an object, got {type(entry).__name__}")
         k_scale = _positive_finite(entry.get("k_scale"), f"{where}: k_scale")
         v_scale = _positive_finite(entry.get("v_scale"), f"{where}: v_scale")
+        q_scale = entry.get("q_scale")
+        if q_scale is not None:
+            q_scale = _positive_finite(q_scale, f"{where}: q_scale")
         mean = entry.get("k_mean")
         if transform.smooth_k:
             if (not isinstance(mean, list) or len(mean) != shape.num_kv_heads
@@ -157,7 +163,7 @@ def load(path: os.PathLike | str) -> Calibration:
                 raise CalibrationFileError(f"{where}: k_mean holds a value that is not a finite number")
         elif mean is not None:
             raise CalibrationFileError(f"{where}: k_mean given but the file says smooth_k=false")
-        layers.append((k_scale, v_scale, mean))
+        layers.append((k_scale, v_scale, mean, q_scale))
     return Calibration(path, shape, transform, str(doc.get("rule", "")), int(doc.get("tokens", 0)), tuple(layers))
 
 

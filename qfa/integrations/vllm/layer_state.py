@@ -66,12 +66,14 @@ def measured_scale(x: torch.Tensor, rule: cal.Rule, name: str, process_group=Non
 
 @dataclass
 class LayerState:
-    """A layer's cache state once fixed: fp32 (1,) scales, the K mean (Nkv, 128) or None."""
+    """A layer's cache state once fixed: fp32 (1,) scales, the K mean (Nkv, 128) or None, and
+    the static query scale once fixed (None until the layer's first attention call)."""
 
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     k_mean: Optional[torch.Tensor]
     transform: Transform
+    q_scale: Optional[torch.Tensor] = None
     saturated: int = field(default=0)
 
     @classmethod
@@ -85,6 +87,10 @@ class LayerState:
         v_prepared = transform.rotated(v)
         return cls(measured_scale(k_prepared, rule, "key", process_group),
                    measured_scale(v_prepared, rule, "value", process_group), mean, transform)
+
+    def prepare_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries (T, Nq, 128) as the op scores them against this layer's keys: rotated, fp32."""
+        return self.transform.rotated(q)
 
     def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, saturated)`` of keys (T, Nkv, 128): smoothed, rotated, scaled, saturating."""

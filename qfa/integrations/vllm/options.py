@@ -22,6 +22,10 @@ VLLM_CACHE_DTYPE = "fp8"
 VLLM_BACKEND = "CUSTOM"
 #: ``engine_kwargs(kv_cache=...)`` values.
 KV_CACHES = ("hif8", "bf16")
+#: How queries are scaled: "static", one scale per layer fixed like K's and V's (from the file,
+#: or the layer's first call), so a request's numbers never depend on its batch; "call", the
+#: rule on each call's batch.
+Q_SCALES = ("static", "call")
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,14 @@ class Options:
             and for the first-write state when there is no file.
         smooth_k: subtract the layer's key mean (exact for attention; on by default).
         rotate: Hadamard-rotate queries, keys and values (exact; on by default).
+        q_scale: ``"static"`` (default) or ``"call"`` (:data:`Q_SCALES`).
     """
 
     calibration_file: Optional[str] = None
     rule: str = cal.DEFAULT_RULE
     smooth_k: bool = _D.smooth_k
     rotate: bool = _D.rotate
+    q_scale: str = "static"
 
     @property
     def transform(self) -> Transform:
@@ -48,7 +54,8 @@ class Options:
 
     def as_config(self) -> dict:
         return {"calibration_file": self.calibration_file, "rule": self.rule, "smooth_k": self.smooth_k,
-                "rotate": self.rotate}
+                "rotate": self.rotate,
+                "q_scale": self.q_scale}
 
     @classmethod
     def parse(cls, given: Mapping[str, Any], where: str = "qfa options") -> "Options":
@@ -71,6 +78,8 @@ class Options:
         for flag in ("smooth_k", "rotate"):
             if flag in opts and not isinstance(opts[flag], bool):
                 raise TypeError(f"{where}: {flag} must be a bool, got {type(opts[flag]).__name__}")
+        if opts.get("q_scale", cls.q_scale) not in Q_SCALES:
+            raise ValueError(f"{where}: q_scale must be one of {Q_SCALES}, got {opts['q_scale']!r}")
         return cls(**opts)
 
 
