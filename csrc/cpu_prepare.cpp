@@ -851,16 +851,17 @@ void qfa_set_constants(const int64_t* c) { set_constants(c); }
 int64_t qfa_isa_level() { return kDetected; }
 
 // Pass 1 of a tensor: the statistics of y = H (x - mu) (each part optional) over the valid rows:
-// [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else 0.0]. With
-// ``mean_out`` (fp32 (segments, N, 128), 0: none) the K means are computed first, per (segment,
-// head) slab, and subtracted: the slab is read a second time from cache, not from memory.
+// [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else 0.0]. ``mean``
+// (fp32 (segments, N, 128), null: none) is subtracted; with ``compute_mean`` it is written first,
+// the K means per (segment, head) slab, and the slab is then read a second time from cache.
 int64_t qfa_prep_stats(const void* x, int64_t dt, const int64_t* strides, const int64_t* segs, int64_t nseg,
-                       int64_t heads, int64_t rotate, double c, float* mean_out, int64_t isa, double* result) {
+                       int64_t heads, int64_t rotate, double c, float* mean, int64_t compute_mean, int64_t isa,
+                       double* result) {
   int level = pick(isa);
   if (level < 0) return -1;
   Plan p = make_plan(strides, segs, nseg, heads);
   const char* base = static_cast<const char*>(x);
-  float* mu = mean_out;
+  float* mu = mean;
   int d = (int)dt;
   Stats st;
   {
@@ -869,7 +870,7 @@ int64_t qfa_prep_stats(const void* x, int64_t dt, const int64_t* strides, const 
       for (int64_t h = 0; h < heads; ++h) {
         const char* row0 = base + p.offset(g, h, 0) * esize(d);
         float* m = mu ? mu + (g * heads + h) * kD : nullptr;
-        if (m) mean_of(row0, d, valid, p.sS * esize(d), m);
+        if (m && compute_mean) mean_of(row0, d, valid, p.sS * esize(d), m);
         if (valid) stats_rows(level, RowIn{row0, d, m, rotate != 0, (float)c}, valid, p.sS, st);
       }
     }

@@ -59,7 +59,7 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = {
     "qfa_set_constants": (None, [_P]),
     "qfa_isa_level": (_I, []),
-    "qfa_prep_stats": (_I, [_P, _I, _P, _P, _I, _I, _I, _D, _P, _I, _P]),
+    "qfa_prep_stats": (_I, [_P, _I, _P, _P, _I, _I, _I, _D, _P, _I, _I, _P]),
     "qfa_key_means": (_I, [_P, _I, _P, _P, _I, _I, _P]),
     "qfa_prep_encode": (_I, [_P, _I, _P, _P, _P, _P, _I, _I, _I, _D, _P, _D, _I]),
     "qfa_rotate_rows": (_I, [_P, _I, _P, _I, _I, _D, _I]),
@@ -204,15 +204,17 @@ def quantize_flat(x: torch.Tensor, scale: float, isa: int | None = None) -> tupl
 
 
 def stats(x: torch.Tensor, strides, segments, heads: int, rotate: bool, c: float,
-          mean_out: torch.Tensor | None = None, isa: int | None = None) -> tuple[float, float, bool]:
+          mean: torch.Tensor | None = None, compute_mean: bool = False,
+          isa: int | None = None) -> tuple[float, float, bool]:
     """Pass 1 over the valid rows of ``segments`` (flat (a, s0, valid, all) quadruples) of ``x``
     seen as (A, N, S, 128) with element ``strides`` (sA, sN, sS): ``(sum of squares, amax,
-    nonfinite)`` of ``H (x - mu)``; with ``mean_out`` (contiguous fp32 (segments, N, 128)) the K
-    means are written there first and subtracted."""
+    nonfinite)`` of ``H (x - mu)``, ``mu`` from ``mean`` (contiguous fp32 (segments, N, 128)) or
+    none; with ``compute_mean`` the K means are written into ``mean`` first."""
     result = (ctypes.c_double * 3)()
     _checked(module().qfa_prep_stats(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments),
                                      len(segments) // 4, heads, int(rotate), c,
-                                     None if mean_out is None else mean_out.data_ptr(), _isa(isa), result), "stats")
+                                     None if mean is None else mean.data_ptr(), int(compute_mean), _isa(isa), result),
+             "stats")
     return result[0], result[1], result[2] != 0.0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from qfa.attention import calibration as cal
-from qfa.attention import distributed, dropin_scaled, rotation
+from qfa.attention import distributed, dropin_scaled, prepare as fused, rotation
 from qfa.attention.dropin_call import DropinCall
 from qfa.attention.dropin_inputs import SCALE_NAMES, check_length_values
 from qfa.attention.op import Metadata, quant_flash_attn
@@ -80,6 +80,11 @@ def _hif8(c: DropinCall, tensors, softmax_scale: float, metadata: Metadata | Non
     """The HiF8 format: per-tensor scales (static or from the calibration rule), quant_mode 0."""
     scales = _scales(c, tensors, process_group)
     codes = [cal.quantize(t, s) for t, s in zip(tensors, scales)]
+    return _hif8_op(c, codes, scales, softmax_scale, metadata)
+
+
+def _hif8_op(c: DropinCall, codes, scales, softmax_scale: float,
+             metadata: Metadata | None) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_flash_attn(
         *codes, *scales, QuantMode.HIF8_PER_TENSOR, p_scale=c.p_scale, layout=c.layout,
         cu_seqlens_q=c.cu_seqlens_q, cu_seqlens_kv=c.cu_seqlens_kv, seqused_q=c.seqused_q, seqused_kv=c.seqused_kv,
@@ -109,15 +114,26 @@ def run(c: DropinCall, metadata: Metadata | None = None,
         return empty_outputs(c)
     if metadata is None:
         check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
-    tensors, mu = prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv, seqused_kv=c.seqused_kv,
-                          smooth_k=c.smooth_k, rotate=c.rotate)
     softmax_scale = default_softmax_scale(c.q.shape[-1]) if c.softmax_scale is None else c.softmax_scale
-    if c.format == "hif8":
-        out, lse = _hif8(c, tensors, softmax_scale, metadata, process_group)
-    else:  # per-block / per-token scales: nothing to reduce across a process group's head shards
-        out, lse = dropin_scaled.run(c, tensors)
-    del tensors
-    out = saturating_cast(rotation.rotate(out) if c.rotate else out, c.q.dtype)  # H is its own inverse
+    # HiF8 on CPU: two native passes per tensor, no float copies (qfa.attention.prepare); else
+    # the materialised tensors (the same definitions in torch ops).
+    done = fused.quantized_inputs(c) if process_group is None else None
+    if done is not None:
+        codes, scales, mu = done
+        out, lse = _hif8_op(c, codes, scales, softmax_scale, metadata)
+        del codes
+    else:
+        tensors, mu = prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv,
+                              seqused_kv=c.seqused_kv, smooth_k=c.smooth_k, rotate=c.rotate)
+        if c.format == "hif8":
+            out, lse = _hif8(c, tensors, softmax_scale, metadata, process_group)
+        else:  # per-block / per-token scales: nothing to reduce across a process group's head shards
+            out, lse = dropin_scaled.run(c, tensors)
+        del tensors
+    restored = fused.restore_output(out, c.q.dtype) if c.rotate else None  # H is its own inverse
+    if restored is None:
+        restored = saturating_cast(rotation.rotate(out) if c.rotate else out, c.q.dtype)
+    out = restored
     if not c.return_softmax_lse:
         return out, c.q.new_empty((0,), dtype=torch.float32)
     if mu is not None:

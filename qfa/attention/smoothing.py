@@ -57,27 +57,35 @@ def key_means(k: torch.Tensor, layout: str = "BNSD", cu_seqlens_kv=None, seqused
     """fp32 per-head, per-channel mean of K over the valid keys of each sequence.
 
     Shape: (B, Nkv, D) for BNSD/BSND, (number of sequences, Nkv, D) for TND. Valid keys are
-    those below ``seqused_kv`` when given; sequences without keys get 0.
+    those below ``seqused_kv`` when given; sequences without keys get 0. The definition: the
+    float64 sum of the keys' fp32 values, divided by their count, rounded to fp32 once (the
+    native pass, :func:`qfa.attention.prepare.key_means`, sums each channel in key order; the
+    torch ops below in their own order, which can move the float64 sum's last bits, and the fp32
+    result only when that sum lies within them of an fp32 rounding boundary).
     """
-    kf = k.float()
+    from qfa.attention import prepare  # imports this module's package siblings: import on use
+
+    if prepare.native_rows(k):
+        return prepare.key_means(k, layout, prepare.segments(k, layout, cu_seqlens_kv, seqused_kv))
+    kf = k.double()
     if layout == "TND":
         seg = _segment_ids(cu_seqlens_kv, k.shape[0])
         nseq = cu_seqlens_kv.shape[0] - 1
         valid = _tnd_valid(cu_seqlens_kv, seqused_kv, k.shape[0])
         if valid is None:
-            counts = (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).float()
+            counts = (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).double()
         else:
             kf = torch.where(valid[:, None, None], kf, 0.0)
-            counts = kf.new_zeros(nseq).index_add_(0, seg, valid.float())
+            counts = kf.new_zeros(nseq).index_add_(0, seg, valid.double())
         sums = kf.new_zeros((nseq, *k.shape[1:])).index_add_(0, seg, kf)
-        return sums / counts.clamp_min(1)[:, None, None]
+        return (sums / counts.clamp_min(1)[:, None, None]).float()
     seq_axis = 2 if layout == "BNSD" else 1
     mask = _valid_mask(k.shape[seq_axis], seqused_kv, k.device)
     if mask is None:
-        return kf.mean(dim=seq_axis)
+        return kf.mean(dim=seq_axis).float()
     m = mask[:, None, :, None] if layout == "BNSD" else mask[:, :, None, None]
-    counts = mask.sum(dim=1).float().clamp_min(1)[:, None, None]
-    return torch.where(m, kf, 0.0).sum(dim=seq_axis) / counts
+    counts = mask.sum(dim=1).double().clamp_min(1)[:, None, None]
+    return (torch.where(m, kf, 0.0).sum(dim=seq_axis) / counts).float()
 
 
 def _broadcast_means(mu: torch.Tensor, layout: str, cu_seqlens, total: int) -> torch.Tensor:

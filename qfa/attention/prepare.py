@@ -1,0 +1,256 @@
+"""What the HiF8 drop-in does to its float inputs, in at most two passes per tensor; and
+:func:`encode_tokens`, the same passes for a batch of tokens (a serving engine's per-call Q and
+its cache writes).
+
+Each of q, k and v becomes HiF8 codes of ``H (x - mu) / scale``: ``mu`` the K means (K smoothing,
+:mod:`qfa.attention.smoothing`), ``H`` the rotation (:mod:`qfa.attention.rotation`), ``scale``
+static or from the calibration rule on the smoothed, rotated values. On CPU that is two sweeps
+over the input in the native row kernel (:mod:`qfa.attention.cpu_prepare`), on the calling
+thread, reading the input in its own dtype and strides:
+
+1. only when the scale is computed: the rule's statistics (the float64 sum of squares for
+   ``"rms"``, the absolute maximum for ``"amax"``: their reducible forms,
+   :data:`qfa.attention.calibration.RMS_REDUCTION` / ``AMAX_REDUCTION``, finished by the same
+   code) of ``H (x - mu)`` over the valid rows; for K first its means, per (sequence, head) slab,
+   which is then read again from cache;
+2. the codes of every row, rotated and divided in registers (and, for :func:`encode_tokens`,
+   the count of saturated values).
+
+After the op, :func:`restore_output` rotates the output back and casts it to the caller's dtype in
+one more sweep. The alternative, one TorchInductor graph for the chain, was measured: its first
+call in a fresh process compiled for 19 s with a cold cache (5 s warm), it fuses the rotation
+only as a GEMM, and its 10-odd kernels each open a parallel region; the native passes build once
+in about a second and open none (see docs/benchmarks-dropin-cast.md).
+
+Bits: the codes are those of ``calibration.quantize(rotation.rotate(x.float() - mu), scale)``,
+the K means those of :func:`qfa.attention.smoothing.key_means`, the output that of
+``rotation.rotate(out)`` cast with saturation: one definition of each step, whichever path runs.
+A computed ``"amax"`` scale is the same bits as the rule on the materialised tensor; ``"rms"``
+sums its squares in another order (rows in sequence order), so the two can differ only when
+log2(rms) ties a half-integer to within float64 rounding (as between tensor-parallel shards, see
+:mod:`qfa.attention.calibration`). Other rules (``"mse"``, callables), non-CPU tensors and
+``torch.compile`` tracing take the materialised path (the same functions, in torch ops).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from qfa.attention import calibration as cal
+from qfa.attention import cpu_prepare, rotation
+from qfa.attention.dropin_call import DropinCall
+from qfa.cast import format as fmt
+
+#: The head dimension the native passes take (rotation's native row).
+HEAD_DIM = rotation.NATIVE_SIZE
+#: The rotation's fp32 normalisation fl(1/sqrt(128)).
+_C = rotation.normalisation(HEAD_DIM)
+
+
+def row_strides(t: torch.Tensor, layout: str) -> tuple[tuple[int, int, int], int]:
+    """``t`` seen as (A, N, S, 128): its element strides (sA, sN, sS) and N. BNSD and BSND have
+    A = batch, S = positions; TND has A = 1 and S = packed tokens."""
+    if layout == "BNSD":
+        return (t.stride(0), t.stride(1), t.stride(2)), t.shape[1]
+    if layout == "BSND":
+        return (t.stride(0), t.stride(2), t.stride(1)), t.shape[2]
+    return (0, t.stride(1), t.stride(0)), t.shape[1]
+
+
+def segments(t: torch.Tensor, layout: str, cu_seqlens: Optional[torch.Tensor],
+             seqused: Optional[torch.Tensor]) -> list[int]:
+    """The rows of ``t`` by sequence: flat quadruples (a, first row, valid rows, all rows), one
+    per sequence (host reads of the length tensors; their values are checked before)."""
+    used = None if seqused is None else seqused.tolist()
+    out: list[int] = []
+    if layout == "TND":
+        cu = cu_seqlens.tolist()
+        for b, (lo, hi) in enumerate(zip(cu, cu[1:])):
+            out += [0, lo, hi - lo if used is None else min(used[b], hi - lo), hi - lo]
+        return out
+    length = t.shape[2 if layout == "BNSD" else 1]
+    for b in range(t.shape[0]):
+        out += [b, 0, length if used is None else min(used[b], length), length]
+    return out
+
+
+def native_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the native passes take these tensors: float dtypes they read, rows of 128, CPU,
+    not traced."""
+    return all(t.dtype in cpu_prepare.DTYPE_CODES and t.shape[-1] == HEAD_DIM for t in tensors) and \
+        cpu_prepare.usable(*tensors)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def fused_reduction(calibration: cal.RuleLike | None) -> Optional[cal.Reduction]:
+    """The reducible form whose statistics pass 1 computes, or None for rules it does not
+    (``"mse"``, user rules: those run on the materialised tensor)."""
+    reduction = cal.reduction_of(cal.get_rule(calibration))
+    return reduction if reduction is cal.RMS_REDUCTION or reduction is cal.AMAX_REDUCTION else None
+
+
+def _finish(reduction: cal.Reduction, sumsq: float, amax: float, count: int, name: str) -> torch.Tensor:
+    stats = [sumsq, float(count)] if reduction is cal.RMS_REDUCTION else [amax]
+    scale = reduction.finish(torch.tensor(stats, dtype=torch.float64), name)
+    return cal.check_scale(scale, f"{name} scale from calibration rule")
+
+
+def key_means(k: torch.Tensor, layout: str, segs: Sequence[int]) -> torch.Tensor:
+    """The K means (sequences, N, 128), fp32, of the valid rows of ``segs`` (native pass)."""
+    k = _rows(k)
+    strides, heads = row_strides(k, layout)
+    mu = torch.empty(len(segs) // 4, heads, HEAD_DIM, dtype=torch.float32)
+    cpu_prepare.key_means(k, strides, segs, heads, mu)
+    return mu
+
+
+def encode_rows(x: torch.Tensor, layout: str, segs: Sequence[int], *, rotate: bool, scale: Optional[torch.Tensor],
+                reduction: Optional[cal.Reduction], smooth: bool = False, mean: Optional[torch.Tensor] = None,
+                name: str = "x") -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]]:
+    """The two native passes over ``x`` (float, rows of 128 on CPU): ``(codes, scale, mu,
+    saturated)``, codes uint8 contiguous in x's shape. ``scale`` None: computed by ``reduction``
+    over the valid rows. ``smooth``: subtract the K means, computed here (returned as ``mu``),
+    or ``mean`` when given ((sequences, N, 128) fp32). None when a value that a computed scale
+    would read is NaN or Inf: the caller's materialised path then raises the error naming it."""
+    x = _rows(x)
+    strides, heads = row_strides(x, layout)
+    nseg = len(segs) // 4
+    mu = mean
+    if scale is None:
+        compute = smooth and mu is None
+        if compute:
+            mu = torch.empty(nseg, heads, HEAD_DIM, dtype=torch.float32)
+        sumsq, amax, nonfinite = cpu_prepare.stats(x, strides, segs, heads, rotate, _C, mean=mu if smooth else None,
+                                                   compute_mean=compute)
+        if nonfinite:
+            return None
+        count = sum(segs[2::4]) * heads * HEAD_DIM
+        scale = _finish(reduction, sumsq, amax, count, name)
+    elif smooth and mu is None:
+        mu = key_means(x, layout, segs)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    out_strides, _ = row_strides(codes, layout)
+    saturated = cpu_prepare.encode_rows(x, strides, codes, out_strides, segs, heads, rotate, _C,
+                                        mu if smooth else None, float(scale))
+    return codes, scale, (mu if smooth else None), saturated
+
+
+def quantized_inputs(c: DropinCall) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor], Optional[torch.Tensor]]]:
+    """The HiF8 format's codes, scales and K means (or None) of a checked call, by the native
+    passes; None where they do not apply (another format, a rule pass 1 does not compute, tensors
+    off the CPU, tracing) or a computed scale meets NaN/Inf (the materialised path then runs,
+    and raises the error naming the tensor)."""
+    if c.format != "hif8" or not native_rows(c.q, c.k, c.v):
+        return None
+    given = (c.q_scale, c.k_scale, c.v_scale)
+    reduction = None
+    if any(s is None for s in given):
+        reduction = fused_reduction(c.calibration)
+        if reduction is None:
+            return None
+    seg_q = segments(c.q, c.layout, c.cu_seqlens_q, c.seqused_q)
+    seg_kv = segments(c.k, c.layout, c.cu_seqlens_kv, c.seqused_kv)
+    codes, scales, mu = [], [], None
+    for t, s, name, segs in ((c.q, c.q_scale, "q", seg_q), (c.k, c.k_scale, "k", seg_kv), (c.v, c.v_scale, "v", seg_kv)):
+        if s is not None:
+            s = cal.check_scale(s, f"{name}_scale", t.device)
+        done = encode_rows(t, c.layout, segs, rotate=c.rotate, scale=s, reduction=reduction,
+                           smooth=c.smooth_k and name == "k", name=name)
+        if done is None:
+            return None
+        codes.append(done[0])
+        scales.append(done[1])
+        if name == "k":
+            mu = done[2]
+    return codes, scales, mu
+
+
+def restore_output(out: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``rotation.rotate(out)`` cast to ``dtype`` (finite values beyond its range saturate, as
+    :func:`qfa.attention.dropin_eager.saturating_cast`), in one native pass; None where the
+    native pass does not apply."""
+    if not native_rows(out) or dtype not in cpu_prepare.DTYPE_CODES:
+        return None
+    return cpu_prepare.rotate_rows(out.contiguous(), dtype, _C)
+
+
+def _check_tokens(x, mean, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in cpu_prepare.DTYPE_CODES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 3 or x.shape[-1] != HEAD_DIM:
+        raise ValueError(f"x must be (tokens, heads, {HEAD_DIM}), got shape {tuple(x.shape)}")
+    if mean is not None:
+        if not isinstance(mean, torch.Tensor):
+            raise TypeError(f"mean must be None or an fp32 tensor, got {type(mean).__name__}")
+        if mean.dtype != torch.float32 or tuple(mean.shape) != (x.shape[1], HEAD_DIM):
+            raise ValueError(f"mean must be fp32 of shape (heads, {HEAD_DIM}) = {(x.shape[1], HEAD_DIM)}, "
+                             f"got {mean.dtype} {tuple(mean.shape)}")
+        if mean.device != x.device:
+            raise ValueError(f"mean must be on x's device {x.device}, got {mean.device}")
+    if scale is not None:
+        scale = cal.check_scale(scale, "scale", x.device)
+    else:
+        cal.get_rule(calibration)  # an unknown name or a non-callable fails here, named
+    return mean, scale
+
+
+def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotate: bool = True,
+                  scale: Union[float, torch.Tensor, None] = None,
+                  calibration: cal.RuleLike | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HiF8 codes of a batch of tokens, prepared as the drop-in prepares K or V (or Q): the
+    codes of ``H (x - mean) / scale``, in at most two passes over ``x`` and no fp32 copy of it.
+
+    Args:
+        x: (tokens, heads, 128), float32, bfloat16 or float16, any strides (the last one 1 is
+            fastest). Not modified.
+        mean: None, or fp32 (heads, 128) on x's device: subtracted from every token before the
+            rotation (K smoothing with a frozen per-head key mean), in fp32.
+        rotate: apply the normalised Hadamard rotation (:func:`qfa.attention.rotation.rotate`).
+        scale: a static scale (positive finite float or fp32 (1,) tensor); None computes it
+            from the prepared tokens with ``calibration``.
+        calibration: the rule for a computed scale (a registered name or a callable; None is
+            :data:`~qfa.attention.calibration.DEFAULT_RULE`). Ignored when ``scale`` is given.
+
+    Returns:
+        ``(codes, scale, saturated)``: uint8 codes of x's shape (contiguous), the fp32 (1,) scale
+        used, and a 0-d int64 tensor counting the finite values of ``(H (x - mean)) / scale``
+        at or beyond HiF8's overflow threshold (stored as +-MAX; nonzero means the scale is too
+        small for these tokens). The codes are bit for bit
+        ``calibration.quantize(rotation.rotate(x.float() - mean), scale)`` and a computed scale
+        is ``calibration.compute_scale`` of that tensor (for ``"rms"`` up to a float64 tie, see
+        the module doc).
+
+    Raises:
+        TypeError / ValueError naming the argument for a bad ``x``, ``mean``, ``scale`` or
+        ``calibration``; ValueError when a computed scale meets NaN or Inf in the prepared
+        tokens (with a static scale they become HiF8's NaN / +-Inf codes).
+
+    On CPU this is the native passes (pass 1 only for a computed ``"rms"`` / ``"amax"`` scale);
+    elsewhere, and for other rules, the same functions in torch ops.
+    """
+    mean, scale = _check_tokens(x, mean, scale, calibration)
+    reduction = fused_reduction(calibration) if scale is None else None
+    if native_rows(x) and (mean is None or mean.device.type == "cpu") and (scale is not None or reduction is not None):
+        segs = [0, 0, x.shape[0], x.shape[0]]
+        mu = None if mean is None else mean.reshape(1, *mean.shape).contiguous()
+        done = encode_rows(x, "TND", segs, rotate=rotate, scale=scale, reduction=reduction, smooth=mu is not None,
+                           mean=mu, name="x")
+        if done is not None:
+            codes, scale, _, saturated = done
+            return codes, scale, torch.tensor(saturated, dtype=torch.int64)
+    y = x.float() if mean is None else x.float() - mean
+    y = rotation.rotate(y) if rotate else y
+    if scale is None:
+        cal.check_finite(y, "x")
+        scale = cal.compute_scale(y, calibration)
+    codes = cal.quantize(y, scale)
+    scaled = y / scale  # quantize's own division
+    saturated = ((scaled.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(scaled)).sum()
+    return codes.contiguous(), scale, saturated
