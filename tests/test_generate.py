@@ -91,7 +91,7 @@ def test_the_greedy_loop_is_transformers_generate(tiny_model_dir, kind):  # noqa
     cache = make()
     run = generate.generate_greedy(model, prompt, 7, cache)
     with torch.inference_mode():
-        expected = model.generate(prompt, cache=make(), max_new_tokens=7, min_new_tokens=7, do_sample=False,
+        expected = model.generate(prompt, past_key_values=make(), max_new_tokens=7, min_new_tokens=7, do_sample=False,
                                   pad_token_id=0)[0, prompt.shape[1]:].tolist()
     assert run.tokens == expected
     assert len(run.step_s) == 6 and run.prefill_tokens == prompt.shape[1]

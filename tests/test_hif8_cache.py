@@ -254,7 +254,7 @@ def test_generate_greedy_bytes_and_decode_reads_codes(monkeypatch):
             return scores
 
     with torch.no_grad():
-        out = model.generate(prompt, cache=cache, max_new_tokens=new, do_sample=False,
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
                              logits_processor=transformers.LogitsProcessorList([Watch()]))
     assert out.shape == (1, 40 + new)
     # a step encodes only its new token per layer (K then V); the prefill its 40
@@ -268,7 +268,7 @@ def test_generate_greedy_bytes_and_decode_reads_codes(monkeypatch):
     model.set_attn_implementation("sdpa")
     dynamic = DynamicCache(config=model.config)
     with torch.no_grad():
-        ref = model.generate(prompt, cache=dynamic, max_new_tokens=new, do_sample=False)
+        ref = model.generate(prompt, past_key_values=dynamic, max_new_tokens=new, do_sample=False)
     assert ref.shape == out.shape  # same token count: the two caches hold the same tokens
     bf16_bytes = sum(l.keys.nbytes + l.values.nbytes for l in dynamic.layers)
     code_bytes = sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)
@@ -305,8 +305,8 @@ def test_model_padding_never_enters_scales_means_or_attention():
         input_ids, mask = _left_pad(seqs, ids(3, 29, seed=pad_seed))
         cache = HiF8Cache()
         with torch.no_grad():
-            logits = model(input_ids, attention_mask=mask, cache=cache, use_cache=True).logits
-            gen = model.generate(input_ids, attention_mask=mask, cache=HiF8Cache(), max_new_tokens=6,
+            logits = model(input_ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            gen = model.generate(input_ids, attention_mask=mask, past_key_values=HiF8Cache(), max_new_tokens=6,
                                  do_sample=False)
         results.append((logits, mask, cache, gen))
     (l0, m0, c0, g0), (l1, _, c1, g1) = results
@@ -416,12 +416,12 @@ def _decode_logits(model, input_ids, mask, steps: int):
     cache = HiF8Cache()
     logits, addresses = [], []
     with torch.no_grad():
-        out = model(input_ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+        out = model(input_ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
         for _ in range(steps):
             logits.append(out)
             addresses.append(cache.layer(0).keys.data_ptr())
             mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
-            out = model(out.argmax(-1)[:, None], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+            out = model(out.argmax(-1)[:, None], attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
     logits.append(out)
     addresses.append(cache.layer(0).keys.data_ptr())
     return torch.stack(logits), cache, sum(a == b for a, b in zip(addresses, addresses[1:]))

@@ -184,8 +184,8 @@ def test_chunked_prefill_continuation_is_exact():
     model.set_attn_implementation("qfa_exact")
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        a = model(x[:, :25], cache=cache, use_cache=True).logits
-        b = model(x[:, 25:], cache=cache, use_cache=True).logits
+        a = model(x[:, :25], past_key_values=cache, use_cache=True).logits
+        b = model(x[:, 25:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(torch.cat([a, b], 1).float(), ref, rtol=1e-4, atol=1e-4)
 
 

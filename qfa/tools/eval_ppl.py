@@ -305,11 +305,11 @@ def decode_logits(model, ids, decode_from: int, cache, on_forward=None):
         raise ValueError(f"--decode-from must be in [1, tokens - 1 = {n - 1}], got {decode_from}")
     rows = []
     with torch.inference_mode():
-        rows.append(model(input_ids=ids[None, :decode_from], cache=cache, use_cache=True).logits[0])
+        rows.append(model(input_ids=ids[None, :decode_from], past_key_values=cache, use_cache=True).logits[0])
         if on_forward is not None:
             on_forward()
         for t in range(decode_from, n - 1):
-            rows.append(model(input_ids=ids[None, t:t + 1], cache=cache, use_cache=True).logits[0])
+            rows.append(model(input_ids=ids[None, t:t + 1], past_key_values=cache, use_cache=True).logits[0])
             if on_forward is not None:
                 on_forward()
     return torch.cat(rows)

@@ -144,7 +144,7 @@ def generate_greedy(model, prompt, max_new_tokens: int, cache, *, on_step=None, 
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1].argmax(-1)
         tokens = [int(token)]  # reading the token waits for the device: the time is the forward's
         run = Run(tokens, prompt.shape[1], time.perf_counter() - t0)
@@ -152,7 +152,7 @@ def generate_greedy(model, prompt, max_new_tokens: int, cache, *, on_step=None, 
             on_step()
         for _ in range(max_new_tokens - 1):
             t0 = time.perf_counter()
-            logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits
+            logits = model(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits
             token = logits[:, -1].argmax(-1)
             tokens.append(int(token))
             run.step_s.append(time.perf_counter() - t0)
@@ -176,7 +176,7 @@ def _profile_step(model, token, cache, top: int) -> str:
     profiler = cProfile.Profile()
     with torch.inference_mode():
         profiler.enable()
-        int(model(input_ids=token[:, None], cache=cache, use_cache=True).logits[:, -1].argmax(-1))
+        int(model(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1))
         profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("cumulative").print_stats(top)
