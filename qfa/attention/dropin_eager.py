@@ -25,6 +25,11 @@ from qfa.tiling.spec import MaskMode, QuantMode, default_softmax_scale
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
 
 
+def static_scale(s: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """A given scale of tensor ``name`` ("q", "k" or "v"), checked (positive, finite)."""
+    return cal.check_scale(s, SCALE_NAMES[name], device)
+
+
 def _scales(c: DropinCall, tensors, process_group: distributed.ProcessGroup | None = None) -> list[torch.Tensor]:
     """The given static scales (checked), the others from the calibration rule on valid values
     (with ``process_group``: on the valid values of the whole tensor whose head shards the
@@ -36,7 +41,7 @@ def _scales(c: DropinCall, tensors, process_group: distributed.ProcessGroup | No
     for part, t, s, name, (used, cu) in zip(parts, tensors, (c.q_scale, c.k_scale, c.v_scale), ("q", "k", "v"),
                                             lengths):
         if s is not None:
-            out.append(cal.check_scale(s, SCALE_NAMES[name], t.device))
+            out.append(static_scale(s, name, t.device))
         elif process_group is None:
             cal.check_finite(part, name)  # before the rule, so the message names the tensor
             out.append(cal.check_scale(rule(part), f"{name} scale from calibration rule"))
@@ -117,7 +122,7 @@ def run(c: DropinCall, metadata: Metadata | None = None,
     softmax_scale = default_softmax_scale(c.q.shape[-1]) if c.softmax_scale is None else c.softmax_scale
     # HiF8 on CPU: two native passes per tensor, no float copies (qfa.attention.prepare); else
     # the materialised tensors (the same definitions in torch ops).
-    done = fused.quantized_inputs(c) if process_group is None else None
+    done = fused.quantized_inputs(c, static_scale) if process_group is None else None
     if done is not None:
         codes, scales, mu = done
         out, lse = _hif8_op(c, codes, scales, softmax_scale, metadata)

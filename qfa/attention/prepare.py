@@ -34,7 +34,7 @@ log2(rms) ties a half-integer to within float64 rounding (as between tensor-para
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -140,9 +140,11 @@ def encode_rows(x: torch.Tensor, layout: str, segs: Sequence[int], *, rotate: bo
     return codes, scale, (mu if smooth else None), saturated
 
 
-def quantized_inputs(c: DropinCall) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor], Optional[torch.Tensor]]]:
+def quantized_inputs(c: DropinCall, check_static: Callable[[torch.Tensor, str, torch.device], torch.Tensor]
+                     ) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor], Optional[torch.Tensor]]]:
     """The HiF8 format's codes, scales and K means (or None) of a checked call, by the native
-    passes; None where they do not apply (another format, a rule pass 1 does not compute, tensors
+    passes (``check_static(scale, "q" / "k" / "v", device)``: the drop-in's check of a given
+    scale); None where they do not apply (another format, a rule pass 1 does not compute, tensors
     off the CPU, tracing) or a computed scale meets NaN/Inf (the materialised path then runs,
     and raises the error naming the tensor)."""
     if c.format != "hif8" or not native_rows(c.q, c.k, c.v):
@@ -158,7 +160,7 @@ def quantized_inputs(c: DropinCall) -> Optional[tuple[list[torch.Tensor], list[t
     codes, scales, mu = [], [], None
     for t, s, name, segs in ((c.q, c.q_scale, "q", seg_q), (c.k, c.k_scale, "k", seg_kv), (c.v, c.v_scale, "v", seg_kv)):
         if s is not None:
-            s = cal.check_scale(s, f"{name}_scale", t.device)
+            s = check_static(s, name, t.device)
         done = encode_rows(t, c.layout, segs, rotate=c.rotate, scale=s, reduction=reduction,
                            smooth=c.smooth_k and name == "k", name=name)
         if done is None:
