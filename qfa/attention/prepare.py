@@ -60,19 +60,25 @@ def row_strides(t: torch.Tensor, layout: str) -> tuple[tuple[int, int, int], int
 
 
 def segments(t: torch.Tensor, layout: str, cu_seqlens: Optional[torch.Tensor],
-             seqused: Optional[torch.Tensor]) -> list[int]:
+             seqused: Optional[torch.Tensor]) -> Optional[list[int]]:
     """The rows of ``t`` by sequence: flat quadruples (a, first row, valid rows, all rows), one
-    per sequence (host reads of the length tensors; their values are checked before)."""
+    per sequence (host reads of the length tensors). The values are checked before, unless a
+    caller's plan vouched for them: rows outside ``t`` then give None (the native passes must
+    never read out of bounds; the materialised path runs instead)."""
     used = None if seqused is None else seqused.tolist()
     out: list[int] = []
     if layout == "TND":
         cu = cu_seqlens.tolist()
+        if any(not 0 <= lo <= hi <= t.shape[0] for lo, hi in zip(cu, cu[1:])):
+            return None
         for b, (lo, hi) in enumerate(zip(cu, cu[1:])):
-            out += [0, lo, hi - lo if used is None else min(used[b], hi - lo), hi - lo]
+            out += [0, lo, hi - lo if used is None else max(0, min(used[b], hi - lo)), hi - lo]
         return out
     length = t.shape[2 if layout == "BNSD" else 1]
+    if used is not None and len(used) != t.shape[0]:
+        return None
     for b in range(t.shape[0]):
-        out += [b, 0, length if used is None else min(used[b], length), length]
+        out += [b, 0, length if used is None else max(0, min(used[b], length)), length]
     return out
 
 
@@ -157,6 +163,8 @@ def quantized_inputs(c: DropinCall, check_static: Callable[[torch.Tensor, str, t
             return None
     seg_q = segments(c.q, c.layout, c.cu_seqlens_q, c.seqused_q)
     seg_kv = segments(c.k, c.layout, c.cu_seqlens_kv, c.seqused_kv)
+    if seg_q is None or seg_kv is None:
+        return None
     codes, scales, mu = [], [], None
     for t, s, name, segs in ((c.q, c.q_scale, "q", seg_q), (c.k, c.k_scale, "k", seg_kv), (c.v, c.v_scale, "v", seg_kv)):
         if s is not None:

@@ -65,8 +65,9 @@ def key_means(k: torch.Tensor, layout: str = "BNSD", cu_seqlens_kv=None, seqused
     """
     from qfa.attention import prepare  # imports this module's package siblings: import on use
 
-    if prepare.native_rows(k):
-        return prepare.key_means(k, layout, prepare.segments(k, layout, cu_seqlens_kv, seqused_kv))
+    segs = prepare.segments(k, layout, cu_seqlens_kv, seqused_kv) if prepare.native_rows(k) else None
+    if segs is not None:
+        return prepare.key_means(k, layout, segs)
     kf = k.double()
     if layout == "TND":
         seg = _segment_ids(cu_seqlens_kv, k.shape[0])

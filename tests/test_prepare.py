@@ -1,0 +1,371 @@
+"""The native preparation (qfa.attention.cpu_prepare / prepare): the same bits as the definitions.
+
+* The encoder at every SIMD level the CPU has, on every fp32 top-16-bit pattern with low-bit
+  variants (the bf16/fp16 patterns are exhaustive in tests/test_cast_encode.py), against the
+  torch path's table; ``quantize`` (x / scale, then the encode) and its saturated count.
+* The rotation's row kernel against its definition (the torch butterfly), every level, every
+  dtype in and out; the butterfly against ``x @ hadamard(n)`` in float64.
+* The drop-in's two passes (codes, scales, K means; any layout, padding, dtype, rule) against
+  the materialised path in torch ops, and the output's un-rotation and cast.
+* ``encode_tokens`` against its documented equivalent, its saturated count against the KV
+  cache's, and its argument errors.
+* The default drop-in call compiles nothing with TorchInductor in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qfa
+from qfa.attention import calibration as cal
+from qfa.attention import cpu_kernel, cpu_prepare, dropin_eager, prepare, rotation, smoothing
+from qfa.attention.dropin_call import DropinCall
+from qfa.cast import format as fmt
+from qfa.cast import luts, torch_path
+from qfa.serving import encoding
+
+pytestmark = pytest.mark.skipif(not cpu_prepare.available(), reason="the native CPU preparation is not built")
+
+D = 128
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def levels():
+    """Every SIMD level of the source, skipped (with the flags it lacks) where the CPU lacks it."""
+    out = []
+    for level, name in enumerate(cpu_prepare.ISA_NAMES):
+        marks = []
+        if cpu_prepare.available() and level > cpu_prepare.isa_level():
+            marks = [pytest.mark.skip(reason=f"this CPU lacks {' / '.join(cpu_prepare.ISA_FLAGS[level])}")]
+        out.append(pytest.param(level, id=name, marks=marks))
+    return out
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """The torch paths (QFA_NATIVE=0): what the native passes must reproduce."""
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+def same_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns wherever either is not NaN, NaN at the same places (NaN payloads are
+    not part of the contract)."""
+    nan = torch.isnan(a.float())
+    return torch.equal(nan, torch.isnan(b.float())) and torch.equal(bits(a)[~nan], bits(b)[~nan])
+
+
+def randn(*shape, seed: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------- the encoder
+
+def fp32_patterns(low: int) -> torch.Tensor:
+    """Every upper half of an fp32 pattern with the lower half ``low``."""
+    top = torch.arange(1 << 16, dtype=torch.int64)
+    u = (top << 16) | low
+    return torch.where(u >= 1 << 31, u - (1 << 32), u).to(torch.int32).view(torch.float32)
+
+
+def table_codes(x: torch.Tensor, overflow: str) -> torch.Tensor:
+    """The torch path's encode (the 65536-entry table, NaN by the full pattern), eager."""
+    table = luts.full_lut(luts.table_dtype(x.dtype), overflow)
+    return torch_path.encode_bits(x.reshape(-1).view(luts.BITS_VIEW[x.dtype]), table).view(x.shape)
+
+
+LOW_BITS = (0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x5A3C)
+
+
+@pytest.mark.parametrize("level", levels())
+@pytest.mark.parametrize("overflow", fmt.OVERFLOW_MODES)
+def test_every_fp32_top16_pattern_with_low_bits(level, overflow):
+    for low in LOW_BITS:
+        x = fp32_patterns(low)
+        got = cpu_prepare.encode_flat(x, inf_mode=overflow == "inf", isa=level)
+        assert torch.equal(got, table_codes(x, overflow)), f"low half 0x{low:04X}"
+
+
+@pytest.mark.parametrize("level", levels())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_is_the_fp32_division_then_the_encode(level, dtype):
+    # values over HiF8's range and beyond (saturation), specials, a ragged length past the
+    # parallel grain; a scale that is not a power of two, so the division rounds
+    n = (1 << 18) + 4099
+    x = randn(n, seed=1) * torch.exp2(randn(n, seed=2) * 12)
+    x[:6] = torch.tensor([math.nan, math.inf, -math.inf, 1e30, -5e4, 0.0])
+    x = x.to(dtype)
+    scale = 0.3
+    codes, saturated = cpu_prepare.quantize_flat(x, scale, isa=level)
+    q = x.float() / torch.tensor([scale], dtype=torch.float32)
+    assert torch.equal(codes, table_codes(q, "saturate"))
+    assert saturated == int(((q.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(q)).sum())
+    assert saturated > 0
+
+
+def test_calibration_quantize_takes_the_native_pass_with_the_same_bits(monkeypatch):
+    x = randn(3, 70, D, seed=3, dtype=torch.bfloat16)[:, ::2]  # strided
+    native = cal.quantize(x, 0.125)
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    assert torch.equal(native, cal.quantize(x, 0.125))
+
+
+# ----------------------------------------------------------------------------- the rotation
+
+def test_the_butterfly_is_the_hadamard_product():
+    """In float64 the butterfly is x @ hadamard(n) up to float64 rounding (log2 n levels of
+    sums of magnitude <= sum |x|, and the scaling)."""
+    x = randn(64, D, seed=4).double()
+    got = rotation.butterfly(x)
+    want = x @ rotation.hadamard(D).double()
+    bound = (math.log2(D) + 2) * 2.0 ** -53 * x.abs().sum(-1, keepdim=True) * rotation.normalisation(D)
+    assert ((got - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("level", levels())
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotate_rows_is_the_butterfly_then_the_saturating_cast(level, dtype, out_dtype):
+    x = randn(300, D, seed=5, scale=3e4).to(dtype)
+    x[0, :4] = torch.tensor([math.inf, -math.inf, math.nan, 1e30]).to(dtype)
+    x[1] = torch.finfo(dtype).max / 4  # sums past a narrow dtype's range: saturate, not Inf
+    got = cpu_prepare.rotate_rows(x, out_dtype, rotation.normalisation(D), isa=level)
+    want = dropin_eager.saturating_cast(rotation.butterfly(x.float()), out_dtype)
+    assert same_or_both_nan(got, want)
+    if out_dtype == torch.float32:
+        assert same_or_both_nan(rotation.rotate(x), want)  # the public function: the same kernel
+
+
+def test_rotate_under_tracing_takes_the_torch_ops_with_the_same_bits():
+    x = randn(5, 3, D, seed=6, dtype=torch.bfloat16)
+    traced = torch.compile(rotation.rotate, backend="eager", fullgraph=True)(x)
+    assert torch.equal(bits(traced), bits(rotation.rotate(x)))
+
+
+def test_rotate_keeps_autograd_through_the_torch_ops():
+    x = randn(4, D, seed=7).requires_grad_()
+    rotation.rotate(x).sum().backward()
+    assert torch.allclose(x.grad, rotation.hadamard(D).sum(1).expand(4, D), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the drop-in's passes
+
+def _call(layout: str, dtype, *, smooth_k=True, rotate=True, calibration="rms", scales=None, padded=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, nq, nkv, s = 2, 4, 2, 45
+    q, k, v = (torch.randn(b, n, s, D, generator=g) for n in (nq, nkv, nkv))
+    k = k + 3 * torch.randn(D, generator=g)  # a key offset: smoothing matters
+    kw = {}
+    if padded:
+        kw["seqused_q"] = torch.tensor([45, 30], dtype=torch.int32)
+        kw["seqused_kv"] = torch.tensor([40, 17], dtype=torch.int32)
+    if layout == "BSND":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # strided views, not copies
+    elif layout == "TND":
+        lens = [19, 26]
+        q, k, v = (torch.cat([t[0, :, :lens[0]], t[1, :, :lens[1]]], dim=1).transpose(0, 1) for t in (q, k, v))
+        cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+        kw = {"cu_seqlens_q": cu, "cu_seqlens_kv": cu}
+        if padded:
+            kw["seqused_q"] = torch.tensor([19, 11], dtype=torch.int32)
+            kw["seqused_kv"] = torch.tensor([7, 26], dtype=torch.int32)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    q_s, k_s, v_s = scales or (None, None, None)
+    return DropinCall(q=q, k=k, v=v, layout=layout, smooth_k=smooth_k, rotate=rotate, calibration=calibration,
+                      q_scale=q_s, k_scale=k_s, v_scale=v_s, **kw)
+
+
+def materialised(c: DropinCall):
+    """codes, scales, mu by the materialised path: smoothing.prepare, the rule on the valid
+    values, calibration.quantize (the drop-in's code before the native passes)."""
+    tensors, mu = smoothing.prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv,
+                                    seqused_kv=c.seqused_kv, smooth_k=c.smooth_k, rotate=c.rotate)
+    scales = dropin_eager._scales(c, tensors)
+    return [cal.quantize(t, s) for t, s in zip(tensors, scales)], scales, mu
+
+
+CASES = [
+    ("BNSD", torch.bfloat16, {}),
+    ("BNSD", torch.float32, {"padded": True}),
+    ("BNSD", torch.float16, {"smooth_k": False}),
+    ("BSND", torch.bfloat16, {"padded": True}),
+    ("BSND", torch.float32, {"rotate": False}),
+    ("TND", torch.bfloat16, {}),
+    ("TND", torch.float32, {"padded": True}),
+    ("TND", torch.float16, {"padded": True, "calibration": "amax"}),
+    ("BNSD", torch.bfloat16, {"calibration": "amax", "rotate": False, "smooth_k": False}),
+    ("BNSD", torch.bfloat16, {"scales": (torch.tensor([0.25]), None, torch.tensor([0.75]))}),
+    ("TND", torch.float32, {"scales": (torch.tensor([0.5]), torch.tensor([0.3]), torch.tensor([2.0]))}),
+]
+
+
+def _case_id(case):
+    layout, dtype, kw = case
+    return "-".join([layout, str(dtype).split(".")[-1], *(f"{k}={'set' if k == 'scales' else v}" for k, v in kw.items())])
+
+
+@pytest.mark.parametrize("layout,dtype,kw", CASES, ids=[_case_id(c) for c in CASES])
+def test_the_native_passes_have_the_materialised_bits(layout, dtype, kw, monkeypatch):
+    c = _call(layout, dtype, **kw)
+    got = prepare.quantized_inputs(c, dropin_eager.static_scale)
+    assert got is not None, "the native passes did not run"
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    want = materialised(c)
+    for name, g, w in zip("qkv", got[0], want[0]):
+        assert torch.equal(g, w), f"{name} codes"
+    for name, g, w in zip("qkv", got[1], want[1]):
+        assert torch.equal(g, w), f"{name} scale"
+    assert (got[2] is None) == (want[2] is None) and (got[2] is None or torch.equal(got[2], want[2]))
+
+
+@pytest.mark.parametrize("level", levels())
+def test_every_level_gives_the_drop_ins_bits(level, monkeypatch):
+    c = _call("BSND", torch.bfloat16, padded=True, seed=3)
+    best = prepare.quantized_inputs(c, dropin_eager.static_scale)
+    monkeypatch.setattr(cpu_prepare, "ISA", level)
+    got = prepare.quantized_inputs(c, dropin_eager.static_scale)
+    for a, b in zip(best[0] + best[1] + [best[2]], got[0] + got[1] + [got[2]]):
+        assert torch.equal(a, b)
+
+
+def test_pass_one_statistics_are_the_rules_statistics():
+    """amax exactly that of the materialised tensor; the float64 sum of squares within float64
+    rounding of the exact sum (math.fsum) over the same values."""
+    c = _call("BNSD", torch.bfloat16, padded=True, seed=4)
+    segs = prepare.segments(c.k, "BNSD", None, c.seqused_kv)
+    strides, heads = prepare.row_strides(c.k, "BNSD")
+    mu = torch.empty(2, heads, D)
+    sumsq, amax, nonfinite = cpu_prepare.stats(c.k, strides, segs, heads, True, rotation.normalisation(D),
+                                               mean=mu, compute_mean=True)
+    assert torch.equal(mu, smoothing.key_means(c.k, "BNSD", None, c.seqused_kv))
+    (_, ks, _), _ = smoothing.prepare(c.q, c.k, c.v, seqused_kv=c.seqused_kv)
+    part = smoothing.valid_values(ks, "BNSD", c.seqused_kv).double()
+    assert not nonfinite and amax == part.abs().max().item()
+    exact = math.fsum((part * part).tolist())
+    assert abs(sumsq - exact) <= part.numel() * 2.0 ** -53 * exact
+
+
+def test_key_means_native_and_torch_agree(monkeypatch):
+    c = _call("TND", torch.bfloat16, padded=True, seed=5)
+    native = smoothing.key_means(c.k, "TND", c.cu_seqlens_kv, c.seqused_kv)
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    assert torch.equal(native, smoothing.key_means(c.k, "TND", c.cu_seqlens_kv, c.seqused_kv))
+
+
+def test_untrusted_lengths_never_reach_the_native_passes():
+    """With a caller's plan the lengths are not checked again: lengths outside the tensor must
+    send the call to the materialised path, not read out of bounds."""
+    k = torch.zeros(10, 2, D)
+    assert prepare.segments(k, "TND", torch.tensor([0, 12], dtype=torch.int32), None) is None
+    assert prepare.segments(k, "TND", torch.tensor([0, 6, 3], dtype=torch.int32), None) is None
+    assert prepare.segments(k.view(1, 2, 10, D), "BNSD", None, torch.tensor([19], dtype=torch.int32)) == [0, 0, 10, 10]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_restore_output_is_the_rotation_then_the_saturating_cast(dtype):
+    out = randn(1, 4, 33, D, seed=6, scale=2e4).bfloat16()
+    out[0, 0, 0, :3] = torch.tensor([math.nan, math.inf, 6e4])
+    got = prepare.restore_output(out, dtype)
+    want = dropin_eager.saturating_cast(rotation.butterfly(out.float()), dtype)
+    assert got.shape == out.shape and got.dtype == dtype and same_or_both_nan(got, want)
+
+
+def test_non_finite_inputs_still_name_the_tensor():
+    c = _call("BNSD", torch.bfloat16, seed=7)
+    k = c.k.clone()
+    k[1, 0, 3, 5] = math.inf
+    with pytest.raises(ValueError, match="^k contains NaN or Inf"):
+        qfa.hif8_attention(c.q, k, c.v)
+
+
+# ----------------------------------------------------------------------------- encode_tokens
+
+def reference_tokens(x, mean, rotate, scale, calibration):
+    y = x.float() if mean is None else x.float() - mean
+    y = rotation.rotate(y) if rotate else y
+    s = cal.compute_scale(y, calibration) if scale is None else cal.check_scale(scale)
+    return cal.quantize(y, s), s, y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("with_mean", [True, False])
+@pytest.mark.parametrize("calibration", ["rms", "amax", "mse"])
+def test_encode_tokens_is_its_documented_equivalent(dtype, rotate, with_mean, calibration):
+    x = (randn(37, 3, D, seed=8) + 2).to(dtype)
+    mean = randn(3, D, seed=9) if with_mean else None
+    codes, scale, saturated = prepare.encode_tokens(x, mean=mean, rotate=rotate, calibration=calibration)
+    want_codes, want_scale, _ = reference_tokens(x, mean, rotate, None, calibration)
+    assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+    assert saturated.dtype == torch.int64 and saturated.dim() == 0 and int(saturated) == 0
+
+
+def test_encode_tokens_with_a_static_scale_counts_what_the_cache_counts():
+    x = randn(50, 2, D, seed=10, scale=3.0, dtype=torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1)
+    assert not x.is_contiguous()
+    mean = randn(2, D, seed=11)
+    scale = torch.tensor([2.0 ** -14])  # too small: many values saturate
+    codes, used, saturated = prepare.encode_tokens(x, mean=mean, scale=scale)
+    want_codes, _, y = reference_tokens(x, mean, True, scale, None)
+    cache_codes, cache_saturated = encoding.encode(y, scale)
+    assert torch.equal(codes, want_codes) and torch.equal(codes, cache_codes)
+    assert torch.equal(used, scale) and int(saturated) == int(cache_saturated) > 0
+
+
+def test_encode_tokens_nan_inf():
+    x = randn(4, 1, D, seed=12)
+    x[1, 0, 7] = math.nan
+    with pytest.raises(ValueError, match="^x contains NaN or Inf"):
+        prepare.encode_tokens(x)
+    codes, _, _ = prepare.encode_tokens(x, scale=1.0, rotate=False)
+    assert codes[1, 0, 7] == fmt.NAN_CODE
+
+
+def test_encode_tokens_leaves_inputs_alone():
+    x, mean = randn(9, 2, D, seed=13, dtype=torch.float16), randn(2, D, seed=14)
+    before = (x.clone(), mean.clone())
+    prepare.encode_tokens(x, mean=mean)
+    assert torch.equal(x, before[0]) and torch.equal(mean, before[1])
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [
+    ({"x": torch.zeros(2, 1, D, dtype=torch.float64)}, TypeError, "x must be float32, bfloat16 or float16, got"),
+    ({"x": torch.zeros(2, D)}, ValueError, r"x must be \(tokens, heads, 128\), got shape \(2, 128\)"),
+    ({"x": [1.0]}, TypeError, "x must be a torch.Tensor, got list"),
+    ({"mean": torch.zeros(3, D)}, ValueError, r"mean must be fp32 of shape \(heads, 128\) = \(2, 128\)"),
+    ({"mean": torch.zeros(2, D, dtype=torch.bfloat16)}, ValueError, "mean must be fp32"),
+    ({"mean": 0.5}, TypeError, "mean must be None or an fp32 tensor, got float"),
+    ({"scale": 0.0}, ValueError, "scale must be positive and finite, got 0.0"),
+    ({"scale": torch.ones(2)}, ValueError, r"scale must hold one value"),
+    ({"calibration": "nope"}, ValueError, "calibration must be one of"),
+    ({"calibration": 3}, TypeError, "calibration must be a rule name"),
+])
+def test_encode_tokens_names_bad_arguments(kwargs, exc, pattern):
+    args = {"x": torch.zeros(4, 2, D), **kwargs}
+    x = args.pop("x")
+    with pytest.raises(exc, match=pattern):
+        prepare.encode_tokens(x, **args)
+
+
+# ----------------------------------------------------------------------------- no compile on the first call
+
+def test_the_default_call_compiles_nothing_in_a_fresh_process():
+    code = (
+        "import json, torch, qfa\n"
+        "from qfa import _compile\n"
+        "q, k, v = (torch.randn(1, h, 300, 128, dtype=torch.bfloat16) for h in (4, 2, 2))\n"
+        "qfa.hif8_attention(q, k, v, is_causal=True)\n"
+        "qfa.encode_to_hifloat8(torch.randn(1 << 17))\n"
+        "print(json.dumps(sorted(f.__name__ for f in _compile._compiled)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
