@@ -345,9 +345,15 @@ T_AVX2 inline __m256i enc_words_avx2(__m256i w, bool inf_mode) {
 }
 
 // 32 words -> 32 code bytes.
-T_AVX2 inline void store_codes_avx2(uint8_t* out, __m256i lo, __m256i hi) {
-  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+// ``stream``: a non-temporal store (out 32-byte aligned), for outputs larger than the caches:
+// it skips reading each output line before writing it.
+T_AVX2 inline void store32_avx2(uint8_t* out, __m256i v, bool stream) {
+  if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(out), v);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v);
+}
+
+T_AVX2 inline void store_codes_avx2(uint8_t* out, __m256i lo, __m256i hi, bool stream = false) {
+  store32_avx2(out, _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8), stream);
 }
 
 T_AVX2 inline __m256i nanfix_avx2(__m256 v) {
@@ -483,7 +489,7 @@ T_AVX2 void rotate_row_avx2(const RowIn& in, void* out, int odt) {
 }
 
 // 32 elements from x + i -> 32 codes.
-T_AVX2 inline void encode32_avx2(const void* x, int64_t i, int dt, uint8_t* out, bool inf_mode) {
+T_AVX2 inline void encode32_avx2(const void* x, int64_t i, int dt, uint8_t* out, bool inf_mode, bool stream) {
   __m256i w0, w1;
   if (dt == BF16) {
     const uint16_t* p = static_cast<const uint16_t*>(x) + i;
@@ -493,14 +499,15 @@ T_AVX2 inline void encode32_avx2(const void* x, int64_t i, int dt, uint8_t* out,
     w0 = words_avx2(load8_avx2(x, i, dt), load8_avx2(x, i + 8, dt));
     w1 = words_avx2(load8_avx2(x, i + 16, dt), load8_avx2(x, i + 24, dt));
   }
-  store_codes_avx2(out, enc_words_avx2(w0, inf_mode), enc_words_avx2(w1, inf_mode));
+  store_codes_avx2(out, enc_words_avx2(w0, inf_mode), enc_words_avx2(w1, inf_mode), stream);
 }
 
-T_AVX2 inline int64_t quantize32_avx2(const void* x, int64_t i, int dt, uint8_t* out, __m256 sv) {
+T_AVX2 inline int64_t quantize32_avx2(const void* x, int64_t i, int dt, uint8_t* out, __m256 sv, bool stream) {
   __m256 q[4];
   int64_t sat = 0;
   for (int k = 0; k < 4; ++k) { q[k] = _mm256_div_ps(load8_avx2(x, i + 8 * k, dt), sv); sat += sat_count_avx2(q[k]); }
-  store_codes_avx2(out, enc_words_avx2(words_avx2(q[0], q[1]), false), enc_words_avx2(words_avx2(q[2], q[3]), false));
+  store_codes_avx2(out, enc_words_avx2(words_avx2(q[0], q[1]), false), enc_words_avx2(words_avx2(q[2], q[3]), false),
+                   stream);
   return sat;
 }
 
@@ -681,69 +688,73 @@ T_AVX512 void rotate_row_512(const RowIn& in, void* out, int odt) {
   }
 }
 
-T_AVX512 inline void encode64_512(const void* x, int64_t i, int dt, uint8_t* out, bool inf_mode) {
+T_AVX512 inline void encode64_512(const void* x, int64_t i, int dt, uint8_t* out, bool inf_mode, bool stream) {
   for (int k = 0; k < 2; ++k) {
     __m512i w;
     if (dt == BF16) w = _mm512_loadu_si512(static_cast<const uint16_t*>(x) + i + 32 * k);
     else w = words_512(load16_512(x, i + 32 * k, dt), load16_512(x, i + 32 * k + 16, dt));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * k), _mm512_cvtepi16_epi8(enc_words_512(w, inf_mode)));
+    store32_avx2(out + 32 * k, _mm512_cvtepi16_epi8(enc_words_512(w, inf_mode)), stream);
   }
 }
 
-T_AVX512 inline int64_t quantize32_512(const void* x, int64_t i, int dt, uint8_t* out, __m512 sv) {
+T_AVX512 inline int64_t quantize32_512(const void* x, int64_t i, int dt, uint8_t* out, __m512 sv, bool stream) {
   __m512 q0 = _mm512_div_ps(load16_512(x, i, dt), sv), q1 = _mm512_div_ps(load16_512(x, i + 16, dt), sv);
   int64_t sat = sat_count_512(q0) + sat_count_512(q1);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(enc_words_512(words_512(q0, q1), false)));
+  store32_avx2(out, _mm512_cvtepi16_epi8(enc_words_512(words_512(q0, q1), false)), stream);
   return sat;
 }
 
-T_AVX512 void encode_flat_512(const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode) {
+T_AVX512 void encode_flat_512(const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode, bool stream) {
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) encode64_512(x, i, dt, out + i, inf_mode);
+  for (; i + 64 <= n; i += 64) encode64_512(x, i, dt, out + i, inf_mode, stream);
+  if (stream) _mm_sfence();
   if (i < n) {  // the tail through the same code, from a zero-padded copy
     alignas(64) uint8_t buf[64 * 4] = {0};
     alignas(64) uint8_t codes[64];
     std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
-    encode64_512(buf, 0, dt, codes, inf_mode);
+    encode64_512(buf, 0, dt, codes, inf_mode, false);
     std::memcpy(out + i, codes, n - i);
   }
 }
 
-T_AVX512 int64_t quantize_flat_512(const void* x, int dt, uint8_t* out, int64_t n, float scale) {
+T_AVX512 int64_t quantize_flat_512(const void* x, int dt, uint8_t* out, int64_t n, float scale, bool stream) {
   const __m512 sv = _mm512_set1_ps(scale);
   int64_t i = 0, sat = 0;
-  for (; i + 32 <= n; i += 32) sat += quantize32_512(x, i, dt, out + i, sv);
+  for (; i + 32 <= n; i += 32) sat += quantize32_512(x, i, dt, out + i, sv, stream);
+  if (stream) _mm_sfence();
   if (i < n) {  // zero padding encodes as 0 and never saturates
     alignas(64) uint8_t buf[32 * 4] = {0};
     alignas(64) uint8_t codes[32];
     std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
-    sat += quantize32_512(buf, 0, dt, codes, sv);
+    sat += quantize32_512(buf, 0, dt, codes, sv, false);
     std::memcpy(out + i, codes, n - i);
   }
   return sat;
 }
 
-T_AVX2 void encode_flat_avx2(const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode) {
+T_AVX2 void encode_flat_avx2(const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode, bool stream) {
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) encode32_avx2(x, i, dt, out + i, inf_mode);
+  for (; i + 32 <= n; i += 32) encode32_avx2(x, i, dt, out + i, inf_mode, stream);
+  if (stream) _mm_sfence();
   if (i < n) {
     alignas(32) uint8_t buf[32 * 4] = {0};
     alignas(32) uint8_t codes[32];
     std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
-    encode32_avx2(buf, 0, dt, codes, inf_mode);
+    encode32_avx2(buf, 0, dt, codes, inf_mode, false);
     std::memcpy(out + i, codes, n - i);
   }
 }
 
-T_AVX2 int64_t quantize_flat_avx2(const void* x, int dt, uint8_t* out, int64_t n, float scale) {
+T_AVX2 int64_t quantize_flat_avx2(const void* x, int dt, uint8_t* out, int64_t n, float scale, bool stream) {
   const __m256 sv = _mm256_set1_ps(scale);
   int64_t i = 0, sat = 0;
-  for (; i + 32 <= n; i += 32) sat += quantize32_avx2(x, i, dt, out + i, sv);
+  for (; i + 32 <= n; i += 32) sat += quantize32_avx2(x, i, dt, out + i, sv, stream);
+  if (stream) _mm_sfence();
   if (i < n) {
     alignas(32) uint8_t buf[32 * 4] = {0};
     alignas(32) uint8_t codes[32];
     std::memcpy(buf, static_cast<const char*>(x) + i * esize(dt), (n - i) * esize(dt));
-    sat += quantize32_avx2(buf, 0, dt, codes, sv);
+    sat += quantize32_avx2(buf, 0, dt, codes, sv, false);
     std::memcpy(out + i, codes, n - i);
   }
   return sat;
@@ -804,18 +815,18 @@ void rotate_row(int isa, const RowIn& in, void* out, int odt) {
   rotate_row_scalar(in, out, odt);
 }
 
-void encode_span(int isa, const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode) {
+void encode_span(int isa, const void* x, int dt, uint8_t* out, int64_t n, bool inf_mode, bool stream) {
 #ifdef QFA_X86
-  if (isa == AVX512) return encode_flat_512(x, dt, out, n, inf_mode);
-  if (isa == AVX2) return encode_flat_avx2(x, dt, out, n, inf_mode);
+  if (isa == AVX512) return encode_flat_512(x, dt, out, n, inf_mode, stream);
+  if (isa == AVX2) return encode_flat_avx2(x, dt, out, n, inf_mode, stream);
 #endif
   encode_flat_scalar(x, dt, out, n, inf_mode);
 }
 
-int64_t quantize_span(int isa, const void* x, int dt, uint8_t* out, int64_t n, float scale) {
+int64_t quantize_span(int isa, const void* x, int dt, uint8_t* out, int64_t n, float scale, bool stream) {
 #ifdef QFA_X86
-  if (isa == AVX512) return quantize_flat_512(x, dt, out, n, scale);
-  if (isa == AVX2) return quantize_flat_avx2(x, dt, out, n, scale);
+  if (isa == AVX512) return quantize_flat_512(x, dt, out, n, scale, stream);
+  if (isa == AVX2) return quantize_flat_avx2(x, dt, out, n, scale, stream);
 #endif
   return quantize_flat_scalar(x, dt, out, n, scale);
 }
@@ -936,6 +947,13 @@ int64_t qfa_rotate_rows(const void* x, int64_t dt, void* out, int64_t odt, int64
 // Spans of the plain cast: one thread's share is at least this many elements (a few hundred
 // microseconds of work), so small tensors never open a parallel region.
 constexpr int64_t kGrain = 1 << 18;
+// Outputs of at least this many codes are written with non-temporal stores (where aligned): they
+// outgrow the caches with their inputs, and a normal store first reads each line it writes.
+constexpr int64_t kStreamMin = 1 << 23;
+
+bool streams(const uint8_t* out, int64_t n, int isa) {
+  return isa >= AVX2 && n >= kStreamMin && (reinterpret_cast<uintptr_t>(out) & 31) == 0;
+}
 
 // The HiF8 codes of n contiguous values (overflow "saturate" or, with inf_mode, "inf"), on up to
 // ``threads`` OpenMP threads (libgomp: torch's own runtime).
@@ -946,11 +964,12 @@ int64_t qfa_encode_flat(const void* x, int64_t dt, uint8_t* out, int64_t n, int6
   uint8_t* ob = out;
   int d = (int)dt;
   int64_t chunks = (n + kGrain - 1) / kGrain;
-  if (chunks <= 1 || threads <= 1) { encode_span(level, xb, d, ob, n, inf_mode != 0); return 0; }
+  bool stream = streams(ob, n, level);
+  if (chunks <= 1 || threads <= 1) { encode_span(level, xb, d, ob, n, inf_mode != 0, stream); return 0; }
 #pragma omp parallel for num_threads((int)std::min(threads, chunks)) schedule(static)
   for (int64_t k = 0; k < chunks; ++k) {
     int64_t a = k * kGrain, b = std::min(n, a + kGrain);
-    encode_span(level, xb + a * esize(d), d, ob + a, b - a, inf_mode != 0);
+    encode_span(level, xb + a * esize(d), d, ob + a, b - a, inf_mode != 0, stream);
   }
   return 0;
 }
@@ -965,11 +984,12 @@ int64_t qfa_quantize_flat(const void* x, int64_t dt, uint8_t* out, int64_t n, do
   int d = (int)dt;
   float s = (float)scale;
   int64_t chunks = (n + kGrain - 1) / kGrain, total = 0;
-  if (chunks <= 1 || threads <= 1) return quantize_span(level, xb, d, ob, n, s);
+  bool stream = streams(ob, n, level);
+  if (chunks <= 1 || threads <= 1) return quantize_span(level, xb, d, ob, n, s, stream);
 #pragma omp parallel for num_threads((int)std::min(threads, chunks)) schedule(static) reduction(+ : total)
   for (int64_t k = 0; k < chunks; ++k) {
     int64_t a = k * kGrain, b = std::min(n, a + kGrain);
-    total += quantize_span(level, xb + a * esize(d), d, ob + a, b - a, s);
+    total += quantize_span(level, xb + a * esize(d), d, ob + a, b - a, s, stream);
   }
   return total;
 }

@@ -112,6 +112,21 @@ def test_quantize_is_the_fp32_division_then_the_encode(level, dtype):
     assert saturated > 0
 
 
+#: Codes past which the native cast writes with non-temporal stores (the source's kStreamMin).
+STREAM_MIN = 1 << 23
+
+
+@pytest.mark.parametrize("level", levels())
+def test_outputs_past_the_caches_stream_with_the_same_bits(level):
+    x = fp32_patterns(0x8001).view(torch.int32).repeat(STREAM_MIN // (1 << 16) + 1)[:STREAM_MIN + 4133]
+    x = x.view(torch.float32)
+    assert torch.equal(cpu_prepare.encode_flat(x, isa=level), table_codes(x, "saturate"))
+    codes, saturated = cpu_prepare.quantize_flat(x, 2.0, isa=level)
+    q = x / 2.0
+    assert torch.equal(codes, table_codes(q, "saturate"))
+    assert saturated == int(((q.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(q)).sum())
+
+
 def test_calibration_quantize_takes_the_native_pass_with_the_same_bits(monkeypatch):
     x = randn(3, 70, D, seed=3, dtype=torch.bfloat16)[:, ::2]  # strided
     native = cal.quantize(x, 0.125)
