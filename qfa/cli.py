@@ -25,6 +25,7 @@ BENCHES = {
     "cast": ("qfa.tools.bench.cast", "HiF8 encode/decode throughput vs torch's native fp8 cast and a copy"),
     "attention": ("qfa.tools.bench.attention", "quant_flash_attn torch path vs SDPA: time, GFLOP/s, memory, accuracy"),
     "calibration": ("qfa.tools.bench.calibration", "calibration rules measured on a real model's attention activations"),
+    "vllm": ("qfa.tools.bench.vllm", "vLLM with qfa's HiF8 KV cache vs its bf16 and fp8 caches: capacity, accuracy, speed"),
     "dropin": ("qfa.tools.bench.dropin", "qfa.hif8_attention with its defaults vs SDPA in the same dtype: time, "
                "preparation share, load"),
 }
