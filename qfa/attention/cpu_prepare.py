@@ -14,11 +14,13 @@ What it computes, per row of 128 values (a head vector):
 * ``encode_flat`` / ``quantize_flat``: the plain cast of a contiguous tensor (and of ``x / scale``).
 
 The encoder rounds the 16-bit word of each value (a bf16 pattern, or an fp32 pattern's upper
-half: HiF8 rounding reads nothing below it) with shifts, compares and masks, gather-free: 32
-words a register on AVX-512 (F/BW/DQ/VL), 16 on AVX2, chosen at run time from the CPU's flags
-(the source is compiled without ``-m`` flags; its SIMD functions carry their ISA). Every level
-gives the same bits (the tests run each level the CPU has against the host table, on every
-pattern). The rows are read in place: any strides along batch, head and position, the last
+half: HiF8 rounding reads nothing below it). On AVX-512 (F/BW/DQ/VL) 32 words a register, the
+rounding and the code by 64-entry word tables in registers (vpermi2w, no memory gather); without
+it (AVX2, scalar) a lookup in a 65536-entry code table, 8 lookups a store. The level is chosen at
+run time from the CPU's flags (the source is compiled without ``-m`` flags; its SIMD functions
+carry their ISA); the tables are built at load from the source's one scalar rule, from this
+package's format constants. Every level gives the same bits (the tests run each level the CPU
+has against the host table, on every pattern). The rows are read in place: any strides along batch, head and position, the last
 stride 1; nothing is copied to fp32 first.
 
 The prepare passes run on the calling thread (see the source's header); ``encode_flat`` and

@@ -1,7 +1,7 @@
 """``encode_to_hifloat8`` / ``decode_from_hifloat8``: argument checks and backend dispatch.
 
-On CPU the encode runs the native encoder (:mod:`qfa.attention.cpu_prepare`: gather-free, 32
-values a register on AVX-512, 16 on AVX2, parallel above 2^18 elements) when it is built; the
+On CPU the encode runs the native encoder (:mod:`qfa.attention.cpu_prepare`: register tables on
+AVX-512, a code table elsewhere, parallel above 2^18 elements) when it is built; the
 torch path (one table gather, compiled by TorchInductor for large tensors) runs elsewhere, under
 ``torch.compile`` tracing and with ``QFA_NATIVE=0``. Both give the same bits (tested on every
 input pattern).

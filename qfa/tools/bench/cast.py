@@ -87,7 +87,9 @@ def encode_path(device: str, backend: str | None) -> str:
     from qfa.attention import cpu_prepare
 
     if device == "cpu" and cpu_prepare.available():
-        return f"native encoder, {cpu_prepare.ISA_NAMES[cpu_prepare.isa_level()]} (gather-free)"
+        level = cpu_prepare.isa_level()
+        how = "vpermi2w register tables" if cpu_prepare.ISA_NAMES[level] == "AVX-512" else "a 65536-entry code table"
+        return f"native encoder, {cpu_prepare.ISA_NAMES[level]} ({how})"
     return "torch path (a table gather, TorchInductor-compiled)"
 
 
