@@ -1,9 +1,11 @@
 """The torch path of the cast: one table gather per element, exact on any device torch runs on.
 
-On CPU the gather is compiled once per process with TorchInductor (a fused C++ loop), which is
-what makes it faster than torch's native fp8 cast; eager torch runs the same ops for small
-tensors, where compiling does not pay, and wherever compiling is unavailable or disabled
-(``QFA_COMPILE=0``). Both run the same function, so they agree bit for bit.
+On CPU the encode normally runs the native encoder instead (:mod:`qfa.attention.cpu_prepare`,
+the same bits); this path serves where it is not built, under ``torch.compile`` tracing, with
+``QFA_NATIVE=0``, and for the decode. On CPU the gather is compiled once per process with
+TorchInductor (a fused C++ loop); eager torch runs the same ops for small tensors, where
+compiling does not pay, and wherever compiling is unavailable or disabled (``QFA_COMPILE=0``).
+Both run the same function, so they agree bit for bit.
 """
 
 from __future__ import annotations
