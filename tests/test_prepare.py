@@ -363,6 +363,7 @@ def test_encode_tokens_leaves_inputs_alone():
     ({"scale": torch.ones(2)}, ValueError, r"scale must hold one value"),
     ({"calibration": "nope"}, ValueError, "calibration must be one of"),
     ({"calibration": 3}, TypeError, "calibration must be a rule name"),
+    ({"rotate": 1}, TypeError, "rotate must be a bool, got int"),
 ])
 def test_encode_tokens_names_bad_arguments(kwargs, exc, pattern):
     args = {"x": torch.zeros(4, 2, D), **kwargs}

@@ -42,6 +42,7 @@ from qfa.attention import calibration as cal
 from qfa.attention import cpu_prepare, rotation
 from qfa.attention.dropin_call import DropinCall
 from qfa.cast import format as fmt
+from qfa.tiling.checks import check_bool
 
 #: The head dimension the native passes take (rotation's native row).
 HEAD_DIM = rotation.NATIVE_SIZE
@@ -189,7 +190,8 @@ def restore_output(out: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tens
     return cpu_prepare.rotate_rows(out.contiguous(), dtype, _C)
 
 
-def _check_tokens(x, mean, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _check_tokens(x, mean, rotate, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    check_bool(rotate, "rotate")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in cpu_prepare.DTYPE_CODES:
@@ -245,7 +247,7 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
     On CPU this is the native passes (pass 1 only for a computed ``"rms"`` / ``"amax"`` scale);
     elsewhere, and for other rules, the same functions in torch ops.
     """
-    mean, scale = _check_tokens(x, mean, scale, calibration)
+    mean, scale = _check_tokens(x, mean, rotate, scale, calibration)
     reduction = fused_reduction(calibration) if scale is None else None
     if native_rows(x) and (mean is None or mean.device.type == "cpu") and (scale is not None or reduction is not None):
         segs = [0, 0, x.shape[0], x.shape[0]]
