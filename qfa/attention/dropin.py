@@ -108,7 +108,8 @@ def hif8_attention(
         rotate: rotate the head dimension of q, k and v by a normalised Hadamard matrix before
             quantising and rotate the output back (exact in real arithmetic, see
             :mod:`qfa.attention.rotation`): it spreads outlier channels, so per-tensor scales
-            fit HiF8's 3-bit binades better, at the cost of four 128-point Walsh-Hadamard butterflies per token.
+            fit HiF8's 3-bit binades better, at the cost of four 128-point Walsh-Hadamard
+            butterflies per token.
             On by default: on Qwen2.5-Coder-1.5B it halved the KL to bf16 attention and put
             perplexity within 0.6 % of bf16 on every text measured (see the README).
         return_softmax_lse: also return the natural-log LSE of the (unsmoothed) scores, fp32,
