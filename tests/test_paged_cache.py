@@ -86,14 +86,14 @@ def test_freed_blocks_are_reused_and_other_sequences_are_untouched():
     got_k, got_v, _ = cache.gather(0, ["new"])
     assert torch.equal(got_k[0], cal.quantize(k, k_scale).transpose(0, 1))
     assert torch.equal(got_v[0], cal.quantize(v, v_scale).transpose(0, 1))
-    with pytest.raises(ValueError, match="unknown sequence 'a'"):
+    with pytest.raises(ValueError, match="seq_id 'a' is an unknown sequence"):
         cache.length("a", 0)
 
 
 def test_out_of_blocks_changes_nothing():
     cache, _ = filled({"a": 30}, num_blocks=3)
     before = (cache.blocks("a"), cache.free_blocks, cache.gather(0, ["a"]))
-    with pytest.raises(ValueError, match=r"out of blocks: sequence 'a' needs 2 more block\(s\)"):
+    with pytest.raises(ValueError, match=r"out of blocks: seq_id 'a' needs 2 more block\(s\)"):
         cache.append("a", 0, tokens(33, 1), tokens(33, 2))
     assert cache.blocks("a") == before[0] and cache.free_blocks == before[1] and cache.length("a", 0) == 30
     for got, want in zip(cache.gather(0, ["a"]), before[2]):
@@ -152,13 +152,13 @@ def test_constructor_errors(kw, exc, match):
 def test_append_and_lookup_errors():
     cache = PagedHiF8Cache(1, 4, 16, NKV)
     cache.add_sequence("s")
-    with pytest.raises(ValueError, match="sequence 's' already exists"):
+    with pytest.raises(ValueError, match="seq_id 's': that sequence already exists"):
         cache.add_sequence("s")
-    with pytest.raises(ValueError, match="unknown sequence 'x'"):
+    with pytest.raises(ValueError, match="seq_id 'x' is an unknown sequence"):
         cache.append("x", 0, tokens(1, 1), tokens(1, 2))
-    with pytest.raises(ValueError, match="unknown sequence 'x'"):
+    with pytest.raises(ValueError, match=r"seq_ids\[1\] 'x' is an unknown sequence"):
         cache.block_table(["s", "x"])
-    with pytest.raises(ValueError, match="unknown sequence 'x'"):
+    with pytest.raises(ValueError, match="seq_id 'x' is an unknown sequence"):
         cache.free("x")
     with pytest.raises(ValueError, match=r"k must have shape \(tokens, Nkv=2, D=128\), got \(1, 3, 128\)"):
         cache.append("s", 0, torch.randn(1, 3, D), tokens(1, 2))

@@ -103,7 +103,7 @@ class PagedHiF8Cache:
     def add_sequence(self, seq_id: Hashable) -> None:
         """Start an empty sequence (no blocks until tokens are appended)."""
         if self._has(seq_id):
-            raise ValueError(f"sequence {seq_id!r} already exists; free it first")
+            raise ValueError(f"seq_id {seq_id!r}: that sequence already exists; free it first")
         self._blocks[seq_id] = []
         self._lengths[seq_id] = [0] * self.num_layers
 
@@ -130,16 +130,24 @@ class PagedHiF8Cache:
         """Tokens stored for ``seq_id`` in ``layer``."""
         return self._lengths[self._known(seq_id)][self._layer(layer)]
 
-    def _has(self, seq_id) -> bool:
+    def _has(self, seq_id, name: str = "seq_id") -> bool:
         try:
             return seq_id in self._blocks
         except TypeError:  # unhashable: never a key
-            raise TypeError(f"seq_id must be hashable (it is a dict key), got {type(seq_id).__name__}") from None
+            raise TypeError(f"{name} must be hashable (it is a dict key), got {type(seq_id).__name__}") from None
 
-    def _known(self, seq_id: Hashable) -> Hashable:
-        if not self._has(seq_id):
-            raise ValueError(f"unknown sequence {seq_id!r} (add it with add_sequence; known: {len(self._blocks)})")
+    def _known(self, seq_id: Hashable, name: str = "seq_id") -> Hashable:
+        """``seq_id`` if the cache holds that sequence; errors call it ``name`` (the caller's)."""
+        if not self._has(seq_id, name):
+            raise ValueError(f"{name} {seq_id!r} is an unknown sequence (add it with add_sequence; known: "
+                             f"{len(self._blocks)})")
         return seq_id
+
+    def _known_ids(self, seq_ids) -> list:
+        """``seq_ids`` (a list or tuple of known sequences) as a list."""
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
+            raise TypeError(f"seq_ids must be a sequence (list or tuple) of sequence ids, got {type(seq_ids).__name__}")
+        return [self._known(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
 
     def _layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int):
@@ -153,8 +161,9 @@ class PagedHiF8Cache:
         will be taken); nothing is taken here, and ValueError if there are too few."""
         need = -(-tokens // self.block_size) - len(self._blocks[seq_id])
         if need > len(self._free):
-            raise ValueError(f"out of blocks: sequence {seq_id!r} needs {need} more block(s) of {self.block_size} "
-                             f"tokens for {tokens} tokens, {len(self._free)} free of {self.num_blocks}")
+            raise ValueError(f"out of blocks: seq_id {seq_id!r} needs {need} more block(s) of {self.block_size} "
+                             f"tokens to hold {tokens} tokens with the new k and v, {len(self._free)} free of "
+                             f"{self.num_blocks}")
         return self._free[len(self._free) - need:][::-1] if need > 0 else []
 
     # ------------------------------------------------------------------ scales and writes
@@ -231,7 +240,7 @@ class PagedHiF8Cache:
 
     def block_table(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 (B, max blocks) physical block indices; unused entries are 0 (a valid index)."""
-        rows = [self._blocks[self._known(s)] for s in seq_ids]
+        rows = [self._blocks[s] for s in self._known_ids(seq_ids)]
         width = max([len(r) for r in rows] + [1])
         table = torch.zeros(len(rows), width, dtype=torch.int32)
         for b, r in enumerate(rows):
@@ -241,7 +250,7 @@ class PagedHiF8Cache:
     def seqused_kv(self, layer: int, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """int32 (B,) tokens stored per sequence in ``layer``."""
         layer = self._layer(layer)
-        return torch.tensor([self._lengths[self._known(s)][layer] for s in seq_ids], dtype=torch.int32,
+        return torch.tensor([self._lengths[s][layer] for s in self._known_ids(seq_ids)], dtype=torch.int32,
                             device=self.device)
 
     def gather(self, layer: int, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,9 +305,7 @@ class PagedHiF8Cache:
     def _check_batch(self, q, seq_ids, layout_q, cu_seqlens_q) -> list:
         """``seq_ids`` as a list of known sequences, one per sequence of ``q``'s batch (the op
         would see a disagreement only in the lengths and block table built from the ids)."""
-        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
-            raise TypeError(f"seq_ids must be a sequence (list or tuple) of sequence ids, got {type(seq_ids).__name__}")
-        ids = [self._known(s) for s in seq_ids]
+        ids = self._known_ids(seq_ids)
         if not ids:
             raise ValueError("seq_ids must name at least one sequence")
         if layout_q == "TND":
