@@ -48,6 +48,21 @@ def tiny(tmp_path_factory):
     return root / "model", root / "tok", root / "text.txt"
 
 
+@pytest.fixture(scope="module")
+def tiny_mixed(tiny, tmp_path_factory):
+    """A Llama whose layer 1 has a sliding window (vLLM's Llama reads ``layer_types``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
+    config.layer_types, config.sliding_window = ["full_attention", "sliding_attention"], 64
+    path = tmp_path_factory.mktemp("tiny_mixed")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path, tiny[1], tiny[2]
+
+
 def run_scenario(name: str, tiny, arg: str | None = None, *, in_process: bool = True, timeout: int = 600) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     if in_process:  # engine core and worker in the scenario's process: ~5 s to start instead of ~30
@@ -97,6 +112,13 @@ def test_hif8_engine_against_bf16_capacity_prefix_caching_and_logprobs(tiny):
             shared = set(rb) & set(rh)
             diffs += [abs(rb[t] - rh[t]) for t in shared]
     assert diffs and max(diffs) < 0.1
+
+
+def test_layers_qfa_cannot_run_go_to_cpu_attn_with_a_model_dtype_cache(tiny_mixed):
+    res = run_scenario("mixed", tiny_mixed)
+    assert res["states"] == ["model.layers.0.self_attn.attn"]  # layer 1 never reached qfa
+    assert res["skip"] == ["1"]  # ... and its cache is not the 1-byte one
+    assert [len(t) for t in res["tokens"]] == [10, 10]
 
 
 def test_preemption_recomputes_the_same_tokens(tiny, calibration):

@@ -131,6 +131,18 @@ def scenario_abort(model, tokenizer, _):
     return with_engine(model, tokenizer, "hif8", use)
 
 
+def scenario_mixed(model, tokenizer, _):
+    """A model whose second layer has a sliding window: qfa runs the first, CPU_ATTN the second."""
+
+    def use(llm):
+        out = llm.generate(prompts((20, 150)), greedy(max_tokens=10))
+        cache = llm.llm_engine.vllm_config.cache_config
+        return {"states": sorted(layer_states(llm)), "skip": list(cache.kv_cache_dtype_skip_layers),
+                "tokens": [o.outputs[0].token_ids for o in out]}
+
+    return with_engine(model, tokenizer, "hif8", use)
+
+
 def scenario_calibrated(model, tokenizer, path):
     def use(llm):
         out = llm.generate(prompts((20,)), greedy())
