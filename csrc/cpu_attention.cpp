@@ -18,6 +18,12 @@
 #include <immintrin.h>
 #endif
 
+// The AVX512_BF16 build (-mavx512bf16, chosen by qfa/attention/cpu_kernel.py from the CPU's
+// flags): the many-row blocks' two GEMMs run as bf16 dot products (see "bf16 dot products").
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define QFA_BF16_DOT 1
+#endif
+
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
@@ -38,6 +44,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -121,12 +128,53 @@ struct RoundVec {
 };
 #endif
 
-// HiF8 rounding of a row of P in place: 8 lanes at a time where the build has AVX2, the same
-// bit rule in scalar code for the tail (and everywhere else).
+#if defined(CPU_CAPABILITY_AVX512)
+// The same steps on 16 lanes, with mask registers for the compares and blends.
+struct RoundVec16 {
+  __m512i band_p1[3], min_denormal, underflow_m1, max_bits, nan_bits, inf_bits, mag_mask, sign_mask;
+  explicit RoundVec16(const RoundConsts& c) {
+    for (int i = 0; i < 3; ++i) band_p1[i] = _mm512_set1_epi32(c.band[i] + 1);
+    min_denormal = _mm512_set1_epi32(c.min_denormal);
+    underflow_m1 = _mm512_set1_epi32(c.underflow - 1);
+    max_bits = _mm512_set1_epi32(c.max_bits);
+    nan_bits = _mm512_set1_epi32(c.nan_bits);
+    inf_bits = _mm512_set1_epi32(0x7F800000);
+    mag_mask = _mm512_set1_epi32(0x7FFF0000);
+    sign_mask = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  }
+  inline __m512i operator()(__m512i bits) const {
+    const __m512i a = _mm512_and_si512(bits, mag_mask);
+    const __m512i cl = _mm512_min_epi32(a, max_bits);
+    const __m512i e = _mm512_abs_epi32(_mm512_sub_epi32(_mm512_srli_epi32(cl, 23), _mm512_set1_epi32(127)));
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i m = _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(band_p1[0], e), one);
+    m = _mm512_mask_add_epi32(m, _mm512_cmpgt_epi32_mask(band_p1[1], e), m, one);
+    m = _mm512_mask_add_epi32(m, _mm512_cmpgt_epi32_mask(band_p1[2], e), m, one);
+    const __m512i half = _mm512_srlv_epi32(_mm512_set1_epi32(1 << 22), m);
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(cl, half),
+                                 _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(half, half)));
+    const __m512i below = _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(cl, underflow_m1), min_denormal);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(min_denormal, cl), below);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(a, inf_bits), a);
+    r = _mm512_mask_or_epi32(r, _mm512_test_epi32_mask(r, r), r, _mm512_and_si512(bits, sign_mask));
+    return _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, inf_bits), nan_bits);
+  }
+};
+#endif
+
+// HiF8 rounding of a row of P in place: 16 lanes at a time where the build has AVX-512, 8 where
+// it has AVX2, the same bit rule in scalar code for the tail (and everywhere else).
 inline void round_row(float* p, int64_t n, const RoundConsts& c, bool simd = true) {
   int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  if (simd && n >= 8) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (simd && n >= 16) {
+    const RoundVec16 rv(c);
+    int32_t* b = reinterpret_cast<int32_t*>(p);
+    for (; j + 16 <= n; j += 16) _mm512_storeu_si512(b + j, rv(_mm512_loadu_si512(b + j)));
+  }
+#endif
+  if (simd && n - j >= 8) {
     const RoundVec rv(c);
     for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, rv(_mm256_loadu_ps(p + j)));
   }
@@ -254,9 +302,10 @@ struct Decoder {
   }
 
 #ifdef QFA_SIMD
-  // 32 contiguous codes to fp32; returns a mask, nonzero where a code is not finite (whose value
-  // here is wrong: the caller decodes such a range again with the table).
-  inline __m256i decode32(const uint8_t* p, float* d) const {
+  // 32 contiguous codes to their bf16 patterns: w0 holds codes 0-7 (low lane) and 16-23 (high
+  // lane), w1 codes 8-15 and 24-31. Returns a mask, nonzero where a code is not finite (whose
+  // value here is wrong: the caller decodes such a range again with the table).
+  inline __m256i words32(const uint8_t* p, __m256i& w0, __m256i& w1) const {
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i z = _mm256_setzero_si256();
     const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(0x7F));
@@ -267,22 +316,65 @@ struct Decoder {
     // vpmaddubsw: (M, B) unsigned times (lx, 64) signed, pairwise: M * lx + 64 * B per 16-bit lane.
     const __m256i s64 = _mm256_set1_epi8(64);
     const __m256i sign = _mm256_and_si256(c, _mm256_set1_epi8(static_cast<char>(0x80)));
-    const __m256i w0 = _mm256_or_si256(
+    w0 = _mm256_or_si256(
         _mm256_slli_epi16(_mm256_maddubs_epi16(_mm256_unpacklo_epi8(mul, base), _mm256_unpacklo_epi8(lx, s64)), 1),
         _mm256_unpacklo_epi8(z, sign));
-    const __m256i w1 = _mm256_or_si256(
+    w1 = _mm256_or_si256(
         _mm256_slli_epi16(_mm256_maddubs_epi16(_mm256_unpackhi_epi8(mul, base), _mm256_unpackhi_epi8(lx, s64)), 1),
         _mm256_unpackhi_epi8(z, sign));
+    return _mm256_or_si256(_mm256_cmpeq_epi8(c, _mm256_set1_epi8(static_cast<char>(0x80))),
+                           _mm256_cmpeq_epi8(m, _mm256_set1_epi8(0x6F)));
+  }
+
+  // 32 contiguous codes to fp32 (the bf16 patterns widened); the mask as words32's.
+  inline __m256i decode32(const uint8_t* p, float* d) const {
+    __m256i w0, w1;
+    const __m256i bad = words32(p, w0, w1);
+    const __m256i z = _mm256_setzero_si256();
     const __m256i f0 = _mm256_unpacklo_epi16(z, w0), f1 = _mm256_unpackhi_epi16(z, w0);
     const __m256i f2 = _mm256_unpacklo_epi16(z, w1), f3 = _mm256_unpackhi_epi16(z, w1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm256_permute2x128_si256(f0, f1, 0x20));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 8), _mm256_permute2x128_si256(f2, f3, 0x20));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm256_permute2x128_si256(f0, f1, 0x31));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 24), _mm256_permute2x128_si256(f2, f3, 0x31));
-    return _mm256_or_si256(_mm256_cmpeq_epi8(c, _mm256_set1_epi8(static_cast<char>(0x80))),
-                           _mm256_cmpeq_epi8(m, _mm256_set1_epi8(0x6F)));
+    return bad;
+  }
+
+  // 32 contiguous codes to bf16; the mask as words32's.
+  inline __m256i decode32_bf16(const uint8_t* p, uint16_t* d) const {
+    __m256i w0, w1;
+    const __m256i bad = words32(p, w0, w1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm256_permute2x128_si256(w0, w1, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm256_permute2x128_si256(w0, w1, 0x31));
+    return bad;
   }
 #endif
+
+  // The bf16 pattern of a code: its fp32 value's high half (init checked the low half is zero).
+  inline uint16_t bf16_of(uint8_t code) const {
+    uint32_t bits;
+    std::memcpy(&bits, &table[code], 4);
+    return static_cast<uint16_t>(bits >> 16);
+  }
+
+  // n codes at stride st to bf16; returns whether every value is finite. Only for tables whose
+  // values are all bf16 patterns (init's check; simd is false otherwise, and callers need simd).
+  inline bool decode_bf16(const uint8_t* p, int64_t st, uint16_t* d, int64_t n) const {
+    int64_t x = 0;
+    bool finite = true;
+#ifdef QFA_SIMD
+    if (st == 1 && simd) {
+      __m256i bad = _mm256_setzero_si256();
+      for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32_bf16(p + x, d + x));
+      if (!_mm256_testz_si256(bad, bad)) {
+        for (int64_t i = 0; i < x; ++i) d[i] = bf16_of(p[i]);
+        finite = false;
+      }
+    }
+#endif
+    for (; x < n; ++x) { d[x] = bf16_of(p[x * st]); finite = finite && std::isfinite(table[p[x * st]]); }
+    return finite;
+  }
 
   // n codes at stride st to fp32; returns whether every value is finite.
   inline bool decode(const uint8_t* p, int64_t st, float* d, int64_t n) const {
@@ -309,11 +401,29 @@ struct Decoder {
 
 // ---- the call -------------------------------------------------------------------------------
 
+// Where K or V codes lie: (batch, head, position, dim) strides, or paged (block_table given):
+// key j of batch b at block table[b][j / block_size], position j % block_size, with the strides
+// (block, head, position in block, dim). Read in place either way.
+struct KvSrc {
+  const uint8_t* base = nullptr;
+  int64_t st[4] = {0, 0, 0, 0};
+  const int32_t* table = nullptr;  // nullptr: contiguous
+  int64_t table_stride = 0, block_size = 0;
+
+  // Codes of key j (the sequence's own index; start: its first position in the tensor).
+  inline const uint8_t* row(int64_t b, int64_t h, int64_t start, int64_t j) const {
+    if (!table) return base + b * st[0] + h * st[1] + (start + j) * st[2];
+    const int64_t blk = table[b * table_stride + j / block_size];
+    return base + blk * st[0] + h * st[1] + (j % block_size) * st[2];
+  }
+  // Keys after j that lie at a constant stride from it (the rest of its block, if paged).
+  inline int64_t run_after(int64_t j) const { return table ? block_size - 1 - j % block_size : INT64_MAX; }
+};
+
 struct Call {
   const uint8_t* q;
-  const uint8_t* k;
-  const uint8_t* v;
-  int64_t sq[4], sk[4], sv[4];  // element strides (batch, head, position, dim)
+  KvSrc k, v;
+  int64_t sq[4];  // element strides (batch, head, position, dim)
   int16_t* out;    // bf16 bits, or
   float* out_f32;  // O / l unrounded (the tests' view of the fp32 result), when out is fp32
   int64_t so[4];
@@ -330,7 +440,10 @@ struct Call {
   // Pre-decoded fp32 K and V, per batch, or empty (decode on the fly): V (heads_kv, kv_len, dim);
   // K the same, or with panel GEMMs as (heads_kv, blocks) of block_n x dim panels (see to_panels).
   std::vector<float*> k_dec, v_dec;
+  // The same in bf16 (bf16 mode): K as (heads_kv, blocks) of bf16 panels, V as slices (see to_bpanels).
+  std::vector<uint16_t*> kb_dec, vb_dec;
   bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
+  bool bf16 = false;        // ... as bf16 dot products (AVX512_BF16 builds, when asked)
 };
 
 struct Item {
@@ -347,6 +460,7 @@ struct Item {
 struct Scratch {
   int64_t rows = 0, dim = 0, bn = 0;  // capacity
   Buffer q, k, kp, v, vs, s, pv, o, m, l, alpha, prod, rsum;
+  Buffer qb, kb, vb, pb;  // bf16 (2 per float): Q, a block's K (rows, then panels in kp), V, P
   void ensure(int64_t r, int64_t d, int64_t b) {
     if (r <= rows && d <= dim && b <= bn) return;
     const int64_t R = std::max(r, rows), D = std::max(d, dim), N = std::max(b, bn);
@@ -354,8 +468,10 @@ struct Scratch {
     q = alloc(R * D); s = alloc(R * N); pv = alloc(R * D); o = alloc(R * D);
     m = alloc(R); l = alloc(R); alpha = alloc(R); prod = alloc(R); rsum = alloc(R);
     k = alloc(N * D); kp = alloc(N * D); v = alloc(N * D); vs = alloc(N * D);
+    qb = alloc(R * D / 2 + 16); kb = alloc(N * D / 2 + 16); vb = alloc(N * D / 2 + 16); pb = alloc(R * N / 2 + 16);
     rows = R; dim = D; bn = N;
   }
+  uint16_t* half(const Buffer& x) { return reinterpret_cast<uint16_t*>(x.get()); }
 };
 
 inline Scratch& thread_scratch() {
@@ -367,18 +483,28 @@ inline at::Tensor wrap(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
-// Decode rows [j0, j1) of kv head h of batch b (codes strided) into dst (rows x dim); returns
-// whether every value is finite.
-inline bool decode_rows(const Decoder& dc, int64_t dim, const uint8_t* base, const int64_t* st, int64_t b,
-                        int64_t h, int64_t start, int64_t j0, int64_t j1, float* dst) {
-  const uint8_t* p = base + b * st[0] + h * st[1] + (start + j0) * st[2];
+// Decode keys [j0, j1) of kv head h of batch b into dst (rows x dim), fp32 or bf16 (T);
+// returns whether every value is finite.
+template <typename T>
+inline bool decode_rows(const Decoder& dc, int64_t dim, const KvSrc& src, int64_t b, int64_t h, int64_t start,
+                        int64_t j0, int64_t j1, T* dst) {
   bool finite = true;
-  for (int64_t j = j0; j < j1; ++j, p += st[2]) finite = dc.decode(p, st[3], dst + (j - j0) * dim, dim) && finite;
+  for (int64_t j = j0; j < j1;) {
+    const uint8_t* p = src.row(b, h, start, j);
+    const int64_t end = std::min(j1, j + 1 + std::min<int64_t>(src.run_after(j), j1));
+    for (; j < end; ++j, p += src.st[2]) {
+      if constexpr (std::is_same<T, float>::value) {
+        finite = dc.decode(p, src.st[3], dst + (j - j0) * dim, dim) && finite;
+      } else {
+        finite = dc.decode_bf16(p, src.st[3], dst + (j - j0) * dim, dim) && finite;
+      }
+    }
+  }
   return finite;
 }
 
 // Q tile rows in (position, group) order: row (i - t0) * G + g holds q head h * G + g.
-void load_q(const Call& c, const Item& it, float* dst) {
+void load_q_rows(const Call& c, const Item& it, float* dst) {
   const int64_t G = c.group;
   for (int64_t i = it.t0; i < it.t1; ++i) {
     for (int64_t g = 0; g < G; ++g) {
@@ -424,10 +550,10 @@ inline bool fused(const Call& c, int64_t rows) {
 }
 
 // Rows of keys [g0, g0 + n) of the item's block at j0: pre-decoded (pre), or decoded into buf.
-inline const float* key_rows(const Call& c, const Item& it, const uint8_t* base, const int64_t* st, const float* pre,
-                             int64_t j0, int64_t g0, int64_t n, float* buf) {
+inline const float* key_rows(const Call& c, const Item& it, const KvSrc& src, const float* pre, int64_t j0,
+                             int64_t g0, int64_t n, float* buf) {
   if (pre) return pre + g0 * c.dim;
-  decode_rows(c.dec, c.dim, base, st, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, buf);
+  decode_rows(c.dec, c.dim, src, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, buf);
   return buf;
 }
 
@@ -455,7 +581,7 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
   float* buf = sc.k.get();
   for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
     const int64_t n = std::min(kGroup, nc - g0);
-    const float* kr = key_rows(c, it, c.k, c.sk, kpre, j0, g0, n, buf);
+    const float* kr = key_rows(c, it, c.k, kpre, j0, g0, n, buf);
     if (n < kGroup) {  // a short last group: pad with zero keys (their scores are not stored)
       if (kr != buf) { std::memcpy(buf, kr, sizeof(float) * n * D); kr = buf; }
       std::memset(buf + n * D, 0, sizeof(float) * (kGroup - n) * D);
@@ -642,6 +768,215 @@ void pv_panels(const float* p, int64_t R, int64_t ldp, const float* slices, int6
 }
 #endif
 
+#ifdef QFA_BF16_DOT
+// ---- many-row blocks as bf16 dot products (AVX512_BF16) ------------------------------------------
+// vdpbf16ps adds, per fp32 lane, the products of one pair of bf16 values to the accumulator:
+// acc + a[2i] b[2i] + a[2i+1] b[2i+1]. Why it computes the fp32 kernels' numbers up to fp32
+// summation order: HiF8 values and HiF8-rounded P have at most 4 significant bits and exponents
+// inside bf16's normal range, so they are bf16 exactly (the decoder builds bf16 patterns anyway,
+// and P's fp32 bits have a zero low half); the product of two has at most 16 significant bits,
+// so it is exact in fp32. HiF8 values are multiples of 2^-22, so every product and every
+// accumulator value (a sum of products, rounded to a power-of-two step) is a multiple of 2^-44:
+// none is denormal, and the instruction's flushing of denormals (DAZ / FTZ) changes nothing.
+//
+// Summation order: each output element is one chain over pairs of the summed index in
+// ascending order (dims 2d, 2d + 1 of Q K^T; keys 2j, 2j + 1 of P V), each step adding the pair's
+// two exact products to the accumulator. The SDM states it as two adds in turn (the odd index's
+// product first), each rounded; the tests' bound allows two roundings per step in any order, so
+// it holds for an implementation that sums the pair first. n summed terms: n roundings at most,
+// as in the fp32 kernels' FMA chains. With the dot order fixed per block shape, the bits do not
+// depend on the thread count; they differ from the fp32 kernels' by summation order only.
+//
+// Layouts: K in panels of 32 keys, one register pair per dim pair (the 32 keys' (2d, 2d + 1));
+// V in 4 slices of 32 dims, one register pair per key pair; Q and P as bf16 rows, whose dword
+// of a pair is broadcast. Tiles of 12 rows x 32 columns: 24 accumulators, 2 loads and 12
+// broadcasts per 24 dot products.
+constexpr int64_t kBPanel = 32;                       // keys per K panel, dims per V slice
+constexpr int64_t kBPanelHalves = kBPanel * kFusedDim;  // bf16 values in one panel
+constexpr int kBTileRows = 12;
+
+inline void transpose16(__m512i* r) {  // 16 x 16 dwords: row i becomes column i
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]); r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]); r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// nk bf16 rows of 128 (keys) into panels of 32 keys: key 32 p + j, dims 2 d + {0, 1} at
+// panels[p * 4096 + d * 64 + 2 j + {0, 1}]; the last panel's missing keys are zero.
+void to_bpanels(const uint16_t* rows, int64_t nk, uint16_t* panels) {
+  constexpr int64_t D = kFusedDim;
+  for (int64_t p = 0; p * kBPanel < nk; ++p) {
+    uint16_t* dst = panels + p * kBPanelHalves;
+    for (int64_t j0 = 0; j0 < kBPanel; j0 += 16) {
+      for (int64_t d0 = 0; d0 < D / 2; d0 += 16) {  // dim pairs
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t key = p * kBPanel + j0 + i;
+          r[i] = key < nk ? _mm512_loadu_si512(rows + key * D + 2 * d0) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (d0 + i) * 2 * kBPanel + 2 * j0, r[i]);
+      }
+    }
+  }
+}
+
+// V of a block (nk bf16 rows of 128) as 4 slices of 32 dims in key pairs: keys 2 j + {0, 1},
+// dim 32 s + x at slices[s * stride + j * 64 + 2 x + {0, 1}]; the last pair's missing key is zero.
+void to_bslices(const uint16_t* rows, int64_t nk, uint16_t* slices, int64_t stride) {
+  constexpr int64_t D = kFusedDim;
+  alignas(64) uint16_t lo[32], hi[32];
+  for (int x = 0; x < 16; ++x) {
+    lo[2 * x] = static_cast<uint16_t>(x); lo[2 * x + 1] = static_cast<uint16_t>(32 + x);
+    hi[2 * x] = static_cast<uint16_t>(16 + x); hi[2 * x + 1] = static_cast<uint16_t>(48 + x);
+  }
+  const __m512i lo_idx = _mm512_load_si512(lo), hi_idx = _mm512_load_si512(hi);
+  for (int64_t j = 0; 2 * j < nk; ++j) {
+    const uint16_t* a = rows + 2 * j * D;
+    const bool two = 2 * j + 1 < nk;
+    for (int64_t sl = 0; sl < D / kBPanel; ++sl) {
+      const __m512i x = _mm512_loadu_si512(a + sl * kBPanel);
+      const __m512i y = two ? _mm512_loadu_si512(a + D + sl * kBPanel) : _mm512_setzero_si512();
+      uint16_t* dst = slices + sl * stride + j * 2 * kBPanel;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo_idx, y));
+      _mm512_storeu_si512(dst + kBPanel, _mm512_permutex2var_epi16(x, hi_idx, y));
+    }
+  }
+}
+
+// n fp32 values whose low halves are zero (HiF8 values, rounded P) to bf16, by their high halves.
+inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
+  const int32_t* b = reinterpret_cast<const int32_t*>(x);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(b + j), 16)));
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + j, m, _mm512_srli_epi32(_mm512_maskz_loadu_epi32(m, b + j), 16));
+  }
+}
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+inline __m512bh pair_of(const uint16_t* p) {  // the bf16 pair at p, in every lane
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return as_bh(_mm512_set1_epi32(w));
+}
+
+// dst[r][0:32] = q_r . keys of one panel, rows r < ROWS (q bf16 ld 128, dst ld ld).
+template <int ROWS>
+struct QkBTile {
+  static void run(const uint16_t* q, float* dst, const uint16_t* panel, int64_t ld) {
+    __m512 c0[ROWS], c1[ROWS];
+    for (int r = 0; r < ROWS; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < kFusedDim / 2; ++d) {
+      const __m512bh b0 = as_bh(_mm512_loadu_si512(panel + d * 2 * kBPanel));
+      const __m512bh b1 = as_bh(_mm512_loadu_si512(panel + d * 2 * kBPanel + kBPanel));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh a = pair_of(q + r * kFusedDim + 2 * d);
+        c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
+        c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      _mm512_storeu_ps(dst + r * ld, c0[r]);
+      _mm512_storeu_ps(dst + r * ld + 16, c1[r]);
+    }
+  }
+};
+
+// dst[r][0:32] = sum over key pairs j < np of p[r][2j:2j+2] . v[2j:2j+2][0:32] (one slice).
+template <int ROWS>
+struct PvBTile {
+  static void run(const uint16_t* p, float* dst, int64_t ldp, const uint16_t* v, int64_t np) {
+    __m512 c0[ROWS], c1[ROWS];
+    for (int r = 0; r < ROWS; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; ++j) {
+      const __m512bh b0 = as_bh(_mm512_loadu_si512(v + j * 2 * kBPanel));
+      const __m512bh b1 = as_bh(_mm512_loadu_si512(v + j * 2 * kBPanel + kBPanel));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh a = pair_of(p + r * ldp + 2 * j);
+        c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
+        c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      _mm512_storeu_ps(dst + r * kFusedDim, c0[r]);
+      _mm512_storeu_ps(dst + r * kFusedDim + 16, c1[r]);
+    }
+  }
+};
+
+// Tile<n>::run for a row tail 0 < n <= N.
+template <template <int> class Tile, int N, typename... Args>
+inline void tail_tile(int64_t n, Args... args) {
+  if constexpr (N > 0) {
+    if (n == N) {
+      Tile<N>::run(args...);
+    } else {
+      tail_tile<Tile, N - 1>(n, args...);
+    }
+  }
+}
+
+template <template <int> class Tile, typename... Args>
+inline void over_brows(int64_t R, int64_t step_in, int64_t step_out, const uint16_t* in, float* out, Args... args) {
+  int64_t r = 0;
+  for (; r + kBTileRows <= R; r += kBTileRows) Tile<kBTileRows>::run(in + r * step_in, out + r * step_out, args...);
+  if (r < R) tail_tile<Tile, kBTileRows - 1>(R - r, in + r * step_in, out + r * step_out, args...);
+}
+
+// S = Q K^T for R rows (bf16 Q) and the first nc keys of a block in bf16 panels (dst ld ld;
+// columns up to the next multiple of 32 are written).
+void qk_bpanels(const uint16_t* q, int64_t R, const uint16_t* panels, int64_t nc, float* dst, int64_t ld) {
+  for (int64_t p = 0; p * kBPanel < nc; ++p)
+    over_brows<QkBTile>(R, kFusedDim, ld, q, dst + p * kBPanel, panels + p * kBPanelHalves, ld);
+}
+
+// pv = P V for R rows (bf16 P, ld ldp, zero past the keys) over np key pairs (V in bf16 slices).
+void pv_bpanels(const uint16_t* p, int64_t R, int64_t ldp, const uint16_t* slices, int64_t stride, int64_t np,
+                float* pv) {
+  for (int64_t s = 0; s < kFusedDim / kBPanel; ++s)
+    over_brows<PvBTile>(R, ldp, kFusedDim, p, pv + s * kBPanel, ldp, slices + s * stride, np);
+}
+#endif
+
+// The item's Q tile into sc.q, and as bf16 into sc.qb where its many-row blocks take bf16 dot
+// products (values exact in bf16).
+void load_q(const Call& c, const Item& it, Scratch& sc) {
+  load_q_rows(c, it, sc.q.get());
+#ifdef QFA_BF16_DOT
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  if (c.bf16 && !fused(c, R)) to_bf16(sc.q.get(), R * c.dim, sc.half(sc.qb));
+#endif
+}
+
+// Which kernels the last call's blocks ran (bits; the bench names them per row, the tests check
+// the bf16 path really ran): bf16 dot products, the AVX2 tiles or fused kernels, MKL / scalar.
+constexpr int kPathBf16 = 1, kPathAvx2 = 2, kPathScalar = 4;
+std::atomic<int> last_paths{0};
+inline void ran(int bit) {
+  if (!(last_paths.load(std::memory_order_relaxed) & bit)) last_paths.fetch_or(bit, std::memory_order_relaxed);
+}
+
 // Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
 // Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
 int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
@@ -659,23 +994,41 @@ int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& 
 #ifdef QFA_SIMD
   if (fused(c, R - lo)) {  // (with panel GEMMs the pre-decoded K is in panels: decode the codes)
     qk_fused(c, it, c.panel_gemm ? nullptr : kpre, j0, lo, R, nc, sc, dst);
+    ran(kPathAvx2);
     return nk;
   }
+#ifdef QFA_BF16_DOT
+  if (c.bf16) {
+    const uint16_t* panels;
+    if (!c.kb_dec.empty() && c.kb_dec[b]) {
+      panels = c.kb_dec[b] + (h * ((c.kv_lens[b] + BN - 1) / BN) + blk) * BN * D;
+    } else {
+      decode_rows(c.dec, D, c.k, b, h, c.kv_starts[b], j0, j0 + nc, sc.half(sc.kb));
+      to_bpanels(sc.half(sc.kb), nc, sc.half(sc.kp));
+      panels = sc.half(sc.kp);
+    }
+    qk_bpanels(sc.half(sc.qb) + lo * D, R - lo, panels, nc, dst, BN);
+    ran(kPathBf16);
+    return nk;
+  }
+#endif
   if (c.panel_gemm) {
     if (kpre) {
       kpre = c.k_dec[b] + (h * ((c.kv_lens[b] + BN - 1) / BN) + blk) * BN * D;
     } else {
-      decode_rows(c.dec, D, c.k, c.sk, b, h, c.kv_starts[b], j0, j0 + nc, sc.k.get());
+      decode_rows(c.dec, D, c.k, b, h, c.kv_starts[b], j0, j0 + nc, sc.k.get());
       to_panels(sc.k.get(), nc, sc.kp.get());
       kpre = sc.kp.get();
     }
     qk_panels(sc.q.get() + lo * D, R - lo, kpre, nc, dst, BN);
+    ran(kPathAvx2);
     return nk;
   }
 #endif
+  ran(kPathScalar);
   const float* kblk = kpre;
   if (!kblk) {
-    decode_rows(c.dec, D, c.k, c.sk, b, h, c.kv_starts[b], j0, j1, sc.k.get());
+    decode_rows(c.dec, D, c.k, b, h, c.kv_starts[b], j0, j1, sc.k.get());
     kblk = sc.k.get();
   }
   auto S = wrap(dst, R - lo, nc, BN);
@@ -710,7 +1063,7 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
   for (int64_t r = lo; r < R; ++r) vis_max = std::max(vis_max, visible(c, it, r, j0, nk));
   for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
     const int64_t n = std::min(kGroup, vis_max - g0);
-    const float* vr = key_rows(c, it, c.v, c.sv, vpre, j0, g0, n, buf);
+    const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf);
     // Two rows x 32 dims per pass (6 loads per 8 FMAs); each element is its row's chain over
     // the keys in ascending order, whichever pass computes it.
     int64_t r = lo;
@@ -818,6 +1171,10 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       nk = scores(c, it, blk, lo, sc, sblk, vblk);
     }
     const int64_t nc = columns(c, it, j0, nk);
+#ifdef QFA_BF16_DOT
+    const bool bf16_block = c.bf16 && !fused(c, R - lo);
+    const int64_t ncp = (nc + 1) & ~int64_t(1);  // P V sums key pairs: an odd count ends with a zero P
+#endif
     for (int64_t r = lo; r < R; ++r) {
       float* s = sblk + (r - lo) * BN;
       const int64_t nv = visible(c, it, r, j0, nk);
@@ -846,6 +1203,12 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       }
       round_row(s, nv, c.rc);
       for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
+#ifdef QFA_BF16_DOT
+      if (bf16_block) {
+        if (ncp > nc) s[nc] = 0.f;
+        to_bf16(s, ncp, sc.half(sc.pb) + (r - lo) * BN);
+      }
+#endif
       alpha[r] = m[r] - m_safe;
       rsum[r] = sum;
       m[r] = m_new;
@@ -857,6 +1220,31 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
     if (fused(c, R - lo)) {
       pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
       done = true;
+#ifdef QFA_BF16_DOT
+    } else if (bf16_block) {
+      // As the fp32 tiles: a block holding a value that is not finite runs pv_fused (fp32 P,
+      // each row over its visible keys), which decodes the codes itself.
+      const uint16_t* slices = nullptr;
+      bool finite;
+      if (!c.vb_dec.empty() && c.vb_dec[it.b]) {
+        const int64_t at_ = it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk;
+        slices = c.vb_dec[it.b] + at_ * BN * D;
+        finite = c.v_finite[it.b][at_] != 0;
+      } else {
+        finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.half(sc.vb));
+        if (finite) {
+          to_bslices(sc.half(sc.vb), nc, sc.half(sc.vs), BN * kBPanel);
+          slices = sc.half(sc.vs);
+        }
+      }
+      if (finite) {
+        pv_bpanels(sc.half(sc.pb), R - lo, BN, slices, BN * kBPanel, ncp / 2, sc.pv.get());
+      } else {
+        pv_fused(c, it, nullptr, j0, nk, lo, R, sblk, sc, sc.pv.get());
+        ran(kPathAvx2);
+      }
+      done = true;
+#endif
     } else if (c.panel_gemm) {
       // A value that is not finite must reach only the rows that see its key (0 * NaN is NaN):
       // such a block (rare) runs pv_fused, which sums each row's visible keys; same bits otherwise.
@@ -868,7 +1256,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
         finite = c.v_finite[it.b][at_] != 0;
         vblk = nullptr;  // pv_fused decodes the codes
       } else {
-        finite = decode_rows(c.dec, D, c.v, c.sv, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.v.get());
+        finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.v.get());
         vblk = sc.v.get();
         if (finite) {
           to_slices(vblk, nc, sc.vs.get(), BN * kPanel);
@@ -888,7 +1276,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       // in a GEMM, P = 0 times NaN is NaN. Such a block (rare) sums each row's visible keys alone.
       bool finite;
       if (!vblk) {
-        finite = decode_rows(c.dec, D, c.v, c.sv, it.b, it.h, c.kv_starts[it.b], j0, j0 + nk, sc.v.get());
+        finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nk, sc.v.get());
         vblk = sc.v.get();
       } else {
         finite = c.v_finite[it.b][it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk] != 0;
@@ -1190,8 +1578,12 @@ int64_t run_on_openmp(int64_t n, int64_t threads, const F& fn) {
 // run_items would be one per lambda type: prefill's predecode region would keep its own).
 std::atomic<int64_t> own_until{0};
 
+// Regions the current call has run (one per call: see forward), for the tests.
+std::atomic<int> regions{0};
+
 template <typename F>
 void run_items(int64_t n, const F& fn) {
+  regions.fetch_add(1);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   const Team team = team_setting();
   if (threads <= 1 || team == Team::own || (team == Team::automatic && now_us() < own_until.load())) {
@@ -1229,12 +1621,17 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
              double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
              std::vector<int64_t> round_consts, int64_t tile_rows, int64_t split_rows, int64_t chunk_blocks, int64_t predecode_bytes,
-             int64_t store_bytes, bool fill) {
+             int64_t store_bytes, bool fill, const at::Tensor& block_table, int64_t block_size, bool bf16) {
   TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
   TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
   TORCH_CHECK(dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
   TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
   TORCH_CHECK(round_consts.size() == 7 && strides.size() == 12 && out_strides.size() == 4 && lse_strides.size() == 3);
+#ifndef QFA_BF16_DOT
+  TORCH_CHECK(!bf16, "bf16 dot products need the AVX512_BF16 build of the kernel");
+#endif
+  last_paths.store(0);
+  regions.store(0);
   if (fill) {
     // A fresh out / lse: 0 and +inf for the rows no batch owns, set here on the calling thread. A
     // torch fill just before the call runs on torch's OpenMP team, whose worker then spins for
@@ -1244,8 +1641,18 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     if (lse.numel()) std::fill(lse.data_ptr<float>(), lse.data_ptr<float>() + lse.numel(), kInf);
   }
   Call c;
-  c.q = q.data_ptr<uint8_t>(); c.k = k.data_ptr<uint8_t>(); c.v = v.data_ptr<uint8_t>();
-  for (int i = 0; i < 4; ++i) { c.sq[i] = strides[i]; c.sk[i] = strides[4 + i]; c.sv[i] = strides[8 + i]; c.so[i] = out_strides[i]; }
+  c.q = q.data_ptr<uint8_t>();
+  c.k.base = k.data_ptr<uint8_t>(); c.v.base = v.data_ptr<uint8_t>();
+  for (int i = 0; i < 4; ++i) { c.sq[i] = strides[i]; c.k.st[i] = strides[4 + i]; c.v.st[i] = strides[8 + i]; c.so[i] = out_strides[i]; }
+  if (block_table.numel()) {  // paged K/V, read in place (the planner checked the table's values)
+    TORCH_CHECK(block_table.dtype() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
+                block_size > 0, "block_table: int32 (B, blocks) with unit stride along a row, and block_size > 0");
+    for (KvSrc* src : {&c.k, &c.v}) {
+      src->table = block_table.data_ptr<int32_t>();
+      src->table_stride = block_table.stride(0);
+      src->block_size = block_size;
+    }
+  }
   c.out = out.dtype() == at::kBFloat16 ? reinterpret_cast<int16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   c.out_f32 = out.dtype() == at::kFloat ? out.data_ptr<float>() : nullptr;
   c.lse = lse.numel() ? lse.data_ptr<float>() : nullptr;
@@ -1258,6 +1665,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   c.rc = round_consts_of(round_consts);
 #ifdef QFA_SIMD
   c.panel_gemm = dim == kFusedDim && block_n % kPanel == 0;
+#endif
+#ifdef QFA_BF16_DOT
+  c.bf16 = bf16 && c.panel_gemm && c.dec.simd && block_n % kBPanel == 0;
 #endif
   const int64_t B = static_cast<int64_t>(q_lens.size());
   const int64_t T = std::max<int64_t>(1, tile_rows / group);  // query positions per tile
@@ -1276,52 +1686,102 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     }
   }
 
-  // fp32 K and V decoded once for batches that several tiles read (prefill), within a budget.
+  // K and V decoded once for batches that several tiles read (prefill), within a budget: fp32
+  // (rows, or panels and slices), or bf16 panels and slices. The blocks are the region's first
+  // items; an item of such a batch waits until its kv head's blocks are done (pre_left).
   std::vector<at::Tensor> keep;
   c.k_dec.assign(B, nullptr); c.v_dec.assign(B, nullptr); c.v_finite.assign(B, {});
+  c.kb_dec.assign(B, nullptr); c.vb_dec.assign(B, nullptr);
+  std::vector<int64_t> blocks;  // (b, h, block start) flattened
+  std::vector<uint8_t> predecoded(B, 0);
   {
     int64_t bytes = 0;
-    std::vector<int64_t> blocks;  // (b, h, block) flattened
     for (int64_t b = 0; b < B; ++b) {
       if (q_lens[b] <= T || kv_lens[b] == 0) continue;
       const int64_t nblk_b = (kv_lens[b] + block_n - 1) / block_n;
       const int64_t per_head = (c.panel_gemm ? nblk_b * block_n : kv_lens[b]) * dim;  // panels: whole blocks
-      const int64_t k_floats = heads_kv * per_head;
-      const int64_t need = 2 * k_floats * 4;
+      const int64_t k_values = heads_kv * per_head;
+      const int64_t elem = c.bf16 ? 2 : 4;
+      const int64_t need = 2 * k_values * elem;
       if (bytes + need > predecode_bytes) continue;
       bytes += need;
-      keep.push_back(at::empty({need / 4}, at::kFloat));
-      c.k_dec[b] = keep.back().data_ptr<float>();
-      c.v_dec[b] = c.k_dec[b] + k_floats;
-      c.v_finite[b].assign(heads_kv * ((kv_lens[b] + block_n - 1) / block_n), 0);
+      keep.push_back(at::empty({need}, at::kByte));
+      if (c.bf16) {
+        c.kb_dec[b] = reinterpret_cast<uint16_t*>(keep.back().data_ptr<uint8_t>());
+        c.vb_dec[b] = c.kb_dec[b] + k_values;
+      } else {
+        c.k_dec[b] = reinterpret_cast<float*>(keep.back().data_ptr<uint8_t>());
+        c.v_dec[b] = c.k_dec[b] + k_values;
+      }
+      predecoded[b] = 1;
+      c.v_finite[b].assign(heads_kv * nblk_b, 0);
       for (int64_t h = 0; h < heads_kv; ++h)
         for (int64_t j0 = 0; j0 < kv_lens[b]; j0 += block_n) blocks.insert(blocks.end(), {b, h, j0});
     }
-    const int64_t nblk = static_cast<int64_t>(blocks.size()) / 3;
-    if (nblk) {
-      run_items(nblk, [&](int64_t i, Scratch& sc) {
-        const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
-        const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);
-        const int64_t nblk_b = (kv_lens[b] + block_n - 1) / block_n;
-        const int64_t off = (h * kv_lens[b] + j0) * dim;
-#ifdef QFA_SIMD
-        if (c.panel_gemm) {
-          const int64_t at_ = (h * nblk_b + j0 / block_n) * block_n * dim;
-          sc.ensure(1, dim, block_n);
-          decode_rows(c.dec, dim, c.k, c.sk, b, h, kv_starts[b], j0, j1, sc.k.get());
-          to_panels(sc.k.get(), j1 - j0, c.k_dec[b] + at_);
-          c.v_finite[b][h * nblk_b + j0 / block_n] =
-              decode_rows(c.dec, dim, c.v, c.sv, b, h, kv_starts[b], j0, j1, sc.v.get());
-          to_slices(sc.v.get(), j1 - j0, c.v_dec[b] + at_, block_n * kPanel);
-          return;
-        }
-#endif
-        decode_rows(c.dec, dim, c.k, c.sk, b, h, kv_starts[b], j0, j1, c.k_dec[b] + off);
-        c.v_finite[b][h * nblk_b + j0 / block_n] =
-            decode_rows(c.dec, dim, c.v, c.sv, b, h, kv_starts[b], j0, j1, c.v_dec[b] + off);
-      });
-    }
   }
+  const int64_t n_pre = static_cast<int64_t>(blocks.size()) / 3;
+  std::unique_ptr<std::atomic<int64_t>[]> pre_left(new std::atomic<int64_t>[std::max<int64_t>(B * heads_kv, 1)]);
+  for (int64_t x = 0; x < B * heads_kv; ++x)
+    pre_left[x].store(predecoded[x / heads_kv] ? (kv_lens[x / heads_kv] + block_n - 1) / block_n : 0,
+                      std::memory_order_relaxed);
+  std::atomic<bool> pre_failed{false};
+  auto predecode = [&](int64_t i, Scratch& sc) {
+    const int64_t b = blocks[3 * i], h = blocks[3 * i + 1], j0 = blocks[3 * i + 2];
+    // Counted down on every exit (flagged first if it threw): the items waiting for it go on.
+    struct Done {
+      std::atomic<int64_t>& left;
+      std::atomic<bool>& failed;
+      bool ok = false;
+      ~Done() {
+        if (!ok) failed.store(true);
+        left.fetch_sub(1, std::memory_order_release);
+      }
+    } done{pre_left[b * heads_kv + h], pre_failed};
+    const int64_t j1 = std::min(j0 + block_n, kv_lens[b]);
+    const int64_t nblk_b = (kv_lens[b] + block_n - 1) / block_n;
+    const int64_t off = (h * kv_lens[b] + j0) * dim;
+    uint8_t& finite = c.v_finite[b][h * nblk_b + j0 / block_n];
+    sc.ensure(1, dim, block_n);
+#ifdef QFA_BF16_DOT
+    if (c.bf16) {
+      const int64_t at_ = (h * nblk_b + j0 / block_n) * block_n * dim;
+      decode_rows(c.dec, dim, c.k, b, h, kv_starts[b], j0, j1, sc.half(sc.kb));
+      to_bpanels(sc.half(sc.kb), j1 - j0, c.kb_dec[b] + at_);
+      finite = decode_rows(c.dec, dim, c.v, b, h, kv_starts[b], j0, j1, sc.half(sc.vb));
+      to_bslices(sc.half(sc.vb), j1 - j0, c.vb_dec[b] + at_, block_n * kBPanel);
+      done.ok = true;
+      return;
+    }
+#endif
+#ifdef QFA_SIMD
+    if (c.panel_gemm) {
+      const int64_t at_ = (h * nblk_b + j0 / block_n) * block_n * dim;
+      decode_rows(c.dec, dim, c.k, b, h, kv_starts[b], j0, j1, sc.k.get());
+      to_panels(sc.k.get(), j1 - j0, c.k_dec[b] + at_);
+      finite = decode_rows(c.dec, dim, c.v, b, h, kv_starts[b], j0, j1, sc.v.get());
+      to_slices(sc.v.get(), j1 - j0, c.v_dec[b] + at_, block_n * kPanel);
+      done.ok = true;
+      return;
+    }
+#endif
+    decode_rows(c.dec, dim, c.k, b, h, kv_starts[b], j0, j1, c.k_dec[b] + off);
+    finite = decode_rows(c.dec, dim, c.v, b, h, kv_starts[b], j0, j1, c.v_dec[b] + off);
+    done.ok = true;
+  };
+  // Before an item reads its batch's decoded K / V: every block of its kv head done. The blocks
+  // are handed out before any other item, so this waits only for blocks already being decoded.
+  auto wait_predecoded = [&](const Item& it) {
+    if (!predecoded[it.b]) return;
+    const std::atomic<int64_t>& left = pre_left[it.b * heads_kv + it.h];
+    for (int spins = 0; left.load(std::memory_order_acquire) > 0; ++spins) {
+      if (spins < 64) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    TORCH_CHECK(!pre_failed.load(), "qfa native attention: decoding K / V for the call failed");
+  };
 
   // Items of few rows (decode: a few new tokens x the GQA group) split their keys into chunks
   // of whole blocks. The split depends only on the item's own shape: never on the thread count,
@@ -1376,9 +1836,12 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   auto store_of = [&](const Item& it) -> float* {
     return it.slot >= 0 && store_at[it.slot] >= 0 ? store + store_at[it.slot] : nullptr;
   };
-  // One region for both passes: pass 1 of every chunk is handed out before any pass-2 item, so
-  // a chunk's pass 2 waits only for earlier chunks' pass 1 already running on another thread
-  // (never for an item not yet taken: no deadlock, and one thread runs them in order). A chunk
+  // One region for the call: the blocks to decode first, then pass 1 of every chunk, then the
+  // pass-2 items (whole items and chunks, costliest first), so whatever an item waits for (its
+  // decoded blocks, earlier chunks' pass 1) is already running on another thread (never an item
+  // not yet taken: no deadlock, and one thread runs them in order). Prefill tiles, decode chunks
+  // and the blocks they wait for share one counter: a mixed batch (chunked prefill beside
+  // decodes) is balanced over the threads as one piece of work. A chunk
   // starts from the running max the sequential walk has before its first block: the max of the
   // earlier chunks' maxima.
   const auto order1 = by_cost(chunks);
@@ -1389,7 +1852,12 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   all.insert(all.end(), chunks.begin(), chunks.end());
   const auto order2 = by_cost(all);
   const int64_t n1 = static_cast<int64_t>(chunks.size());
-  run_items(n1 + static_cast<int64_t>(all.size()), [&](int64_t i, Scratch& sc) {
+  run_items(n_pre + n1 + static_cast<int64_t>(all.size()), [&](int64_t i, Scratch& sc) {
+    if (i < n_pre) {
+      predecode(i, sc);
+      return;
+    }
+    i -= n_pre;
     if (i < n1) {
       const Item& ch = chunks[order1[i]];
       // Marked on every exit, 2 if it threw: its pass 2 must not wait for it forever.
@@ -1400,7 +1868,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
       } mark{max_done[order1[i]]};
       const int64_t R = (ch.t1 - ch.t0) * group;
       sc.ensure(R, dim, block_n);
-      load_q(c, ch, sc.q.get());
+      load_q(c, ch, sc);
+      wait_predecoded(ch);
       cmax[order1[i]].assign(R, kNegInf);
       chunk_max(c, ch, sc, cmax[order1[i]].data(), store_of(ch));
       mark.value = 1;
@@ -1409,7 +1878,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     const Item& it = all[order2[i - n1]];
     const int64_t R = (it.t1 - it.t0) * group;
     sc.ensure(R, dim, block_n);
-    load_q(c, it, sc.q.get());
+    load_q(c, it, sc);
+    wait_predecoded(it);
     float* m = sc.m.get();
     for (int64_t r = 0; r < R; ++r) m[r] = kNegInf;
     if (it.slot >= 0) {
@@ -1488,6 +1958,129 @@ std::tuple<std::string, int64_t> last_region() {
   return {names[last_team.load()], last_team.load() == 2 ? last_entered.load() : -1};
 }
 
+// The kernels the last call's blocks ran, by name (the bench's ISA column; tests).
+std::vector<std::string> last_paths_names() {
+  const int bits = last_paths.load();
+  std::vector<std::string> names;
+  if (bits & kPathBf16) names.push_back("AVX512_BF16");
+  if (bits & kPathAvx2) names.push_back("AVX2");
+  if (bits & kPathScalar) names.push_back("scalar");
+  return names;
+}
+
+// How many parallel regions the last call ran (tests: one, whatever the batch holds).
+int64_t last_regions() { return regions.load(); }
+
+// Whether this build has the bf16 dot-product kernels.
+bool has_bf16_dot() {
+#ifdef QFA_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ---- the CPU's peak, measured: independent FMA (or bf16 dot) chains in registers ---------------
+// Twelve accumulators per thread (more than latency x throughput on the CPUs here), on `threads`
+// threads at once for about `seconds`; returns the GFLOP/s of all of them (an FMA is 2 FLOP, a
+// bf16 dot step 4 per lane). Kinds: the ones peak_kinds() lists for this build.
+template <typename Step>
+double time_chains(int64_t threads, double seconds, double flop_per_iter, const Step& step) {
+  std::atomic<int64_t> iters{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto until = t0 + std::chrono::duration<double>(seconds);
+  std::vector<std::thread> team;
+  for (int64_t t = 0; t < threads; ++t) {
+    team.emplace_back([&] {
+      int64_t n = 0;
+      while (std::chrono::steady_clock::now() < until) n += step();
+      iters.fetch_add(n);
+    });
+  }
+  for (auto& t : team) t.join();
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return double(iters.load()) * flop_per_iter / wall / 1e9;
+}
+
+static thread_local volatile float peak_sink = 0.f;
+
+#define QFA_R12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+constexpr int64_t kPeakInner = 1 << 16;
+
+std::vector<std::string> peak_kinds() {
+  std::vector<std::string> kinds;
+#ifdef QFA_SIMD
+  kinds.push_back("fp32_avx2");
+#endif
+#ifdef CPU_CAPABILITY_AVX512
+  kinds.push_back("fp32_avx512");
+#endif
+#ifdef QFA_BF16_DOT
+  kinds.push_back("bf16_dot");
+#endif
+  return kinds;
+}
+
+double peak_gflops(const std::string& kind, int64_t threads, double seconds) {
+  TORCH_CHECK(threads >= 1 && seconds > 0, "peak_gflops: threads >= 1 and seconds > 0");
+#ifdef QFA_SIMD
+  if (kind == "fp32_avx2") {
+    return time_chains(threads, seconds, 12.0 * 8 * 2 * kPeakInner, [] {
+#define QFA_D(i) __m256 a##i = _mm256_set1_ps(0.001f * i);
+      QFA_R12(QFA_D)
+      const __m256 m = _mm256_set1_ps(0.999999f), x = _mm256_set1_ps(1e-7f);
+      for (int64_t n = 0; n < kPeakInner; ++n) {
+#define QFA_F(i) a##i = _mm256_fmadd_ps(a##i, m, x);
+        QFA_R12(QFA_F)
+      }
+      __m256 sum = _mm256_setzero_ps();
+#define QFA_S(i) sum = _mm256_add_ps(sum, a##i);
+      QFA_R12(QFA_S)
+      alignas(32) float o[8];
+      _mm256_store_ps(o, sum);
+      peak_sink = o[0];  // keeps the chains live
+      return int64_t(1);
+    });
+  }
+#endif
+#ifdef CPU_CAPABILITY_AVX512
+  if (kind == "fp32_avx512") {
+    return time_chains(threads, seconds, 12.0 * 16 * 2 * kPeakInner, [] {
+#define QFA_D5(i) __m512 a##i = _mm512_set1_ps(0.001f * i);
+      QFA_R12(QFA_D5)
+      const __m512 m = _mm512_set1_ps(0.999999f), x = _mm512_set1_ps(1e-7f);
+      for (int64_t n = 0; n < kPeakInner; ++n) {
+#define QFA_F5(i) a##i = _mm512_fmadd_ps(a##i, m, x);
+        QFA_R12(QFA_F5)
+      }
+      __m512 sum = _mm512_setzero_ps();
+#define QFA_S5(i) sum = _mm512_add_ps(sum, a##i);
+      QFA_R12(QFA_S5)
+      peak_sink = _mm512_reduce_add_ps(sum);
+      return int64_t(1);
+    });
+  }
+#endif
+#ifdef QFA_BF16_DOT
+  if (kind == "bf16_dot") {
+    return time_chains(threads, seconds, 12.0 * 32 * 2 * kPeakInner, [] {
+#define QFA_DB(i) __m512 a##i = _mm512_setzero_ps();
+      QFA_R12(QFA_DB)
+      const __m512bh x = as_bh(_mm512_set1_epi16(0x3F80)), y = as_bh(_mm512_set1_epi16(0x3400));
+      for (int64_t n = 0; n < kPeakInner; ++n) {
+#define QFA_FB(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
+        QFA_R12(QFA_FB)
+      }
+      __m512 sum = _mm512_setzero_ps();
+      QFA_R12(QFA_S5)
+      peak_sink = _mm512_reduce_add_ps(sum);
+      return int64_t(1);
+    });
+  }
+#endif
+  TORCH_CHECK(false, "peak_gflops: kind must be one of this build's peak_kinds(), got '", kind, "'");
+}
+
 // Whether the SIMD decoder runs for this table in this build.
 bool simd_decoder(const at::Tensor& decode_table) {
   TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
@@ -1501,5 +2094,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_p", &round_p, "HiF8 rounding of P with the kernel's code (tests)");
   m.def("simd_decoder", &simd_decoder, "whether the SIMD decoder runs for this table (tests)");
   m.def("last_region", &last_region, "the last region's team and the threads that entered it (tests)");
+  m.def("last_paths", &last_paths_names, "the kernels the last call's blocks ran (bench, tests)");
+  m.def("last_regions", &last_regions, "how many parallel regions the last call ran (tests)");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the bf16 dot-product kernels");
+  m.def("peak_kinds", &peak_kinds, "the kinds peak_gflops measures in this build");
+  m.def("peak_gflops", &peak_gflops, "GFLOP/s of independent FMA / bf16 dot chains on threads at once");
   m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/cpu_kernel.py)");
 }

@@ -1,7 +1,9 @@
 """The native kernel's other builds: the machines this project runs on differ (AVX2 EPYCs,
-AVX-512 Xeons), and each builds only its own capability. Here the AVX-512 source is compiled
-(not run: that needs such a CPU) and the scalar build (no vector ISA: MKL GEMMs, table decode,
-scalar rounding) is built and run against the torch path, like the build this CPU uses."""
+AVX-512 Xeons, AVX512_BF16 EPYCs), and each builds only its own capability. Here every vector
+build's source is compiled (not run: that needs such a CPU; the AVX512_BF16 one's bf16 dot
+products run in test_cpu_kernel_bf16.py where the CPU has them) and the scalar build (no vector
+ISA: MKL GEMMs, table decode, scalar rounding) is built and run against the torch path, like the
+build this CPU uses."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ 
 
 @needs_kernel
 @needs_compiler
-@pytest.mark.parametrize("capability", ["AVX512", "DEFAULT"])  # (this CPU's own build runs in every test)
+@pytest.mark.parametrize("capability", ["AVX512_BF16", "AVX512", "AVX2", "DEFAULT"])
 def test_every_capability_compiles(capability):
     from torch.utils.cpp_extension import include_paths
 
@@ -31,6 +33,25 @@ def test_every_capability_compiles(capability):
     done = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-fopenmp", "-DTORCH_EXTENSION_NAME=qfa_check",
                            *flags, *includes, str(cpu_kernel.SOURCE)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@needs_kernel
+@needs_compiler
+def test_the_bf16_build_has_bf16_dot_products(tmp_path):
+    """Compiled to assembly (which -fsyntax-only does not reach: intrinsics are checked against
+    the target flags only when inlined), the AVX512_BF16 build holds vdpbf16ps, and the plain
+    AVX-512 build, compiled the same way, holds none."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    for capability, want in (("AVX512_BF16", True), ("AVX512", False)):
+        flags = [f for f in cpu_kernel._COMMON_FLAGS if not f.startswith("-O")] + cpu_kernel._VECTOR_FLAGS[capability]
+        asm = tmp_path / f"{capability}.s"
+        done = subprocess.run(["g++", "-std=c++17", "-O0", "-S", "-fPIC", "-DTORCH_EXTENSION_NAME=qfa_check", *flags,
+                               *includes, str(cpu_kernel.SOURCE), "-o", str(asm)], capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("vdpbf16ps" in asm.read_text()) == want, capability
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ relative to the running max, exact HiF8 products with fp32 accumulation. The wor
 the way ATen's own CPU flash attention is: work items of (batch, kv head, query tile), handed
 out by an atomic counter, costliest first, to the threads of one region per call; each worker
 runs its item alone on cache-resident blocks: the two GEMMs of a block, and one fused pass per
-block for max, exp, row sum and alpha with P's HiF8 rounding in 8-lane integer ops (the table's
+block for max, exp, row sum and alpha with P's HiF8 rounding in 8- or 16-lane integer ops (the table's
 bit rule, no 65536-entry gather). The region runs on torch's own OpenMP team: after each of
 torch's parallel ops its worker spins for about 10 ms, so in a model a thread of the kernel's
 own would share a core with it, where the spinning worker itself joins within microseconds.
@@ -15,8 +15,14 @@ barrier then waits a scheduler slice), the calls of the next 200 ms run on the k
 pool of ``torch.get_num_threads() - 1`` threads instead, whose caller waits only for items a
 thread has taken, and whose threads keep off the caller's CPU (``QFA_POOL=omp|own`` pins the
 choice; a forked child always uses the pool, since libgomp's team does not survive fork).
-Only blocks that cross the causal diagonal are masked. Prefill decodes each batch's K and V to
-fp32 once (a second, short region); decode reads the 1-byte codes of each block directly.
+Only blocks that cross the causal diagonal are masked. Prefill decodes each batch's K and V
+once (fp32, or bf16 on the AVX512_BF16 build); decode reads the 1-byte codes of each block
+directly. A call is one parallel region whatever its batch holds: the blocks to decode are its
+first items, then the split items' pass 1, then everything else costliest first, and an item
+waits only for items already running, so a mixed batch (vLLM's chunked prefill beside decodes)
+is balanced over the threads as one piece of work. Paged K/V (a block table, PA_BBND / PA_BNBD)
+is read in place, each key's codes addressed through the table (vLLM's CPU cache view, K and V
+the two halves of each token's 256 bytes, is such a PA_BNBD pair).
 
 On AVX2 / AVX-512 builds the GEMMs are the kernel's own: register tiles of 6 rows x 16 columns
 (12 accumulators, 12 FMAs per 2 loads and 6 broadcasts), K decoded into panels of 16 keys
@@ -24,6 +30,16 @@ On AVX2 / AVX-512 builds the GEMMs are the kernel's own: register tiles of 6 row
 contiguous and stays in L1; every element is one FMA chain over the summed index in ascending
 order. Per-block MKL calls spent about a tenth of the time packing operands and scaling C, and
 the kernel runs 14-17 % less CPU time without them (measured single-threaded on the AVX2 EPYC).
+On the AVX512_BF16 build (torch's AVX512 capability and the CPU's avx512_bf16 flag) the
+many-row blocks run both GEMMs as bf16 dot products (vdpbf16ps) instead: HiF8 values and
+HiF8-rounded P are exact in bf16 and the product of two is exact in fp32, so this computes the
+same numbers up to fp32 summation order. Each element is one chain over pairs of the summed index
+in ascending order (dims 2d, 2d + 1; keys 2j, 2j + 1), each step adding the pair's two exact
+products to the accumulator with at most two roundings: n terms, at most n roundings, as in the
+fp32 chains (tests/test_cpu_kernel_bf16.py derives its bounds from this). Tiles of 12 rows x 32
+columns, K in panels of 32 keys by dim pairs, V in slices of 32 dims by key pairs, both decoded
+straight to bf16; a block holding a value of V that is not finite runs the fp32 per-row kernel,
+as it does beside the fp32 tiles. ``QFA_BF16_DOT=0`` runs the fp32 tiles in the same build.
 Blocks of at most 16 rows (decode: new tokens x the GQA group) use fused kernels: 8 keys at a
 time are decoded (AVX2: per group of 8 magnitudes the bf16 pattern is affine in the code's low 3
 bits, with coefficients fitted to the 256-entry table at init, looked up with ``vpshufb`` and
@@ -50,8 +66,9 @@ the other batches, so the result is the same bits on any number of threads, and 
 the same bits alone or in a batch of others.
 
 The extension is compiled on first use (``torch.utils.cpp_extension.load``, into torch's
-extension cache) with the vector flags of the CPU capability torch itself detected; the build
-name carries a hash of the CPU's /proc/cpuinfo flags, so a machine never loads a binary built
+extension cache) with the vector flags of the CPU capability torch itself detected (AVX512
+raised to AVX512_BF16 where /proc/cpuinfo lists avx512_bf16); the build name carries the
+capability and a hash of the CPU's /proc/cpuinfo flags, so a machine never loads a binary built
 for another CPU. Where no compiler is present or the build fails, :func:`available` says False
 and warns once, and the op runs :mod:`qfa.attention.torch_path`. ``QFA_NATIVE=0`` turns the
 kernel off.
@@ -91,11 +108,20 @@ PREDECODE_BYTES = 1 << 30
 #: A split keeps pass 1's scores for pass 2 (rather than computing them twice) up to this many bytes.
 SCORE_STORE_BYTES = 1 << 28
 
+_AVX512 = ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+           "-mavx512dq", "-mfma"]
 _VECTOR_FLAGS = {
-    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mfma"],
+    # torch's AVX512 capability plus the bf16 dot products of the many-row blocks.
+    "AVX512_BF16": [*_AVX512, "-mavx512bf16"],
+    "AVX512": _AVX512,
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
+#: The /proc/cpuinfo flag the AVX512_BF16 build needs beside torch's AVX512 capability.
+BF16_FLAG = "avx512_bf16"
+#: ``QFA_BF16_DOT=0``: the AVX512_BF16 build runs its fp32 tiles instead (same build, for comparisons).
+BF16_ENV_VAR = "QFA_BF16_DOT"
+#: Whether the kernel reads paged K/V (a block table) in place: op.py then hands it the table.
+READS_PAGED_KV = True
 # No contraction to FMA: the fused step must round S * dScale and the subtraction separately,
 # as the torch path does. -fopenmp: at::parallel_for's region is a header template, compiled
 # here; without it the region ran on the calling thread alone.
@@ -107,8 +133,11 @@ _failed = False
 
 
 def cpu_capability() -> str:
-    """The vector ISA the kernel is built for: torch's own detection (AVX512, AVX2 or DEFAULT)."""
+    """The vector ISA the kernel is built for: torch's own detection (AVX512, AVX2 or DEFAULT),
+    as AVX512_BF16 where torch says AVX512 and the CPU's flags have avx512_bf16."""
     cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512" and BF16_FLAG in _cpu_flags().split():
+        return "AVX512_BF16"
     return cap if cap in _VECTOR_FLAGS else "DEFAULT"
 
 
@@ -120,6 +149,43 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def bf16_dot() -> bool:
+    """Whether calls run the many-row blocks as bf16 dot products: the AVX512_BF16 build is
+    loaded, and ``QFA_BF16_DOT`` is not 0."""
+    return available() and _module.has_bf16_dot() and os.environ.get(BF16_ENV_VAR, "1") != "0"
+
+
+def last_paths() -> list[str]:
+    """The kernels the blocks of the last call in this process ran: any of ``AVX512_BF16`` (bf16
+    dot products), ``AVX2`` (the fp32 tiles and the few-row fused kernels) and ``scalar`` (MKL
+    GEMMs, the build without a vector ISA)."""
+    if not available():
+        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.cpu_kernel.available)")
+    return list(_module.last_paths())
+
+
+def peak_kinds() -> list[str]:
+    """The loops :func:`peak_gflops` can time in this build: ``fp32_avx2`` and ``fp32_avx512``
+    (FMA on 8 / 16 lanes), ``bf16_dot`` (vdpbf16ps)."""
+    if not available():
+        return []
+    return list(_module.peak_kinds())
+
+
+def peak_gflops(kind: str, threads: int | None = None, seconds: float = 0.2) -> float:
+    """GFLOP/s of ``threads`` threads (default torch's count) running independent chains of
+    ``kind`` (see :func:`peak_kinds`) for about ``seconds``: the CPU's measured peak."""
+    kinds = peak_kinds()
+    if kind not in kinds:
+        raise ValueError(f"kind must be one of this build's {kinds}, got {kind!r}")
+    threads = torch.get_num_threads() if threads is None else threads
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= 10:
+        raise ValueError(f"seconds must be a number in (0, 10], got {seconds!r}")
+    return float(_module.peak_gflops(kind, threads, float(seconds)))
 
 
 def build_name() -> str:
@@ -202,10 +268,11 @@ def _decode_table() -> torch.Tensor:
 def forward(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
-    *, known_available: bool = False,
+    *, known_available: bool = False, block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor), as torch_path.
-    ``known_available``: the caller has just seen :func:`available` say True (the op has)."""
+    ``known_available``: the caller has just seen :func:`available` say True (the op has).
+    ``block_table``: paged K/V (the plan's layout_kv PA_*), read in place."""
     device = q.device
     # Contiguous whatever q's strides (plan.out_strides are the contiguous out's). Left unfilled:
     # the kernel sets rows no batch owns to 0 / +inf on the calling thread (``fill``), since a
@@ -218,30 +285,56 @@ def forward(
         lse = torch.empty(0, dtype=torch.float32, device=device)
         lse_strides = (0, 0, 0)
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
-         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available, fill=True)
+         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available, block_table, None, fill=True)
     return out, lse
 
 
 def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, lse, *,
-             split_rows: int = SPLIT_ROWS, chunk_blocks: int = CHUNK_BLOCKS, tile_rows: int = TILE_ROWS) -> None:
+             split_rows: int = SPLIT_ROWS, chunk_blocks: int = CHUNK_BLOCKS, tile_rows: int = TILE_ROWS,
+             block_table: torch.Tensor | None = None, bf16_dot: bool | None = None) -> None:
     """Write every row the batches own (q_lens of them) into ``out`` / ``lse``; rows past them
-    are left as they are (``forward`` allocates them as 0 / +inf)."""
+    are left as they are (``forward`` allocates them as 0 / +inf). ``bf16_dot``: run the
+    many-row blocks as bf16 dot products (True; needs the AVX512_BF16 build) or the fp32 tiles
+    (False); None: as :func:`bf16_dot` says."""
     lse_strides = (0, 0, 0)
     if lse.numel():
         lse_strides = (0, *lse.stride()) if plan.layout == "TND" else lse.stride()
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, normalised_strides(out, plan.layout), lse,
-         lse_strides, split_rows, chunk_blocks, tile_rows, q.device, False, fill=False)
+         lse_strides, split_rows, chunk_blocks, tile_rows, q.device, False, block_table, bf16_dot, fill=False)
+
+
+def _table_of(plan: AttentionPlan, block_table: torch.Tensor | None) -> torch.Tensor:
+    """The block table as the kernel reads it (int32, unit stride along a row), or an empty one."""
+    if not plan.paged:
+        if block_table is not None:
+            raise ValueError("block_table is for paged K/V (layout_kv PA_BBND / PA_BNBD); the plan's K/V are "
+                             f"{plan.layout_kv or plan.layout}")
+        return _NO_TABLE
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        got = f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else \
+            type(block_table).__name__
+        raise ValueError(f"block_table must be the plan's int32 (B, blocks) table for paged K/V, got {got}")
+    return block_table if block_table.stride(1) == 1 else block_table.contiguous()
+
+
+_NO_TABLE = torch.empty(0, 0, dtype=torch.int32)
 
 
 def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
          lse_strides, split_rows: int, chunk_blocks: int, tile_rows: int, device: torch.device,
-         known_available: bool, *, fill: bool) -> None:
+         known_available: bool, block_table: torch.Tensor | None, bf16: bool | None, *, fill: bool) -> None:
     """``run_into`` with out's normalised strides and lse's (batch, head, position) strides given;
     ``fill``: out and lse are fresh and contiguous, set to 0 / +inf before the kernel's rows."""
     if device.type != "cpu":
         raise ValueError(f"q must be on the CPU for the native kernel, got {device}")
     if not (known_available and _module is not None) and not available():
         raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.cpu_kernel.available)")
+    table = _table_of(plan, block_table)
+    if bf16 is None:
+        bf16 = bf16_dot()
+    elif bf16 and not _module.has_bf16_dot():
+        raise ValueError(f"bf16_dot=True needs the AVX512_BF16 build (this CPU's is {cpu_capability()}: "
+                         f"{'no ' + BF16_FLAG + ' flag' if BF16_FLAG not in _cpu_flags().split() else 'another build'})")
     # The scalars the torch path forms with fp32 tensor ops, bit for bit (see dscale_of).
     dscale = dscale_of(q_descale.item(), k_descale.item(), plan.softmax_scale)
     ln_p = torch.log(p_scale).item() if p_scale is not None else 0.0
@@ -250,5 +343,6 @@ def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale,
         q, k, v, (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, out_strides, lse, lse_strides,
         plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale.item(), _decode_table(),
-        _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, fill,
+        _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, fill, table,
+        plan.block_size, bool(bf16),
     )
