@@ -1,13 +1,20 @@
 """``qfa bench attention``: the torch backend of quant_flash_attn beside SDPA, and its accuracy.
 
 The header names the CPU, the ISA extensions that matter to the kernels (AVX2, AVX-512,
-AVX512_BF16, AMX) and the code path that ran (the native CPU kernel or the pure-torch path).
+AVX512_BF16, AMX), the code path that ran (the native CPU kernel or the pure-torch path) and the
+CPU's peak as the native extension measures it at start (independent FMA chains on 8 and 16
+lanes, and bf16 dot products where the CPU has them, on torch's threads at once).
 Speed: causal prefill, B=1, D=128, and decode-shaped calls (Sq = 1 or 16 new tokens against a
 long KV, B = 1 or 8, no mask), against ``scaled_dot_product_attention`` on the dequantised fp32
 and bf16 tensors, measured in the same run (median of runs; ``--in-turns``: of rounds of one
-call each). ``--load`` measures the same rows again while a busy-loop process occupies one core (it stops by itself), beside SDPA under the
-same load. Memory: peak RSS growth of one call at S=16384 in a fresh process. Accuracy: error
-against exact fp32 attention on the original (unquantised) inputs, for HiF8 and for a
+call each). Each row names the kernels its blocks ran (AVX512_BF16 bf16 dot products, the AVX2
+fp32 tiles and few-row kernels, scalar MKL GEMMs) and its useful GFLOP/s as a share of the peak
+of the fastest of them. A vLLM-shaped row: one call on a mixed batch (decodes of one token and a
+chunk of prefill, TND q, paged K/V in vLLM's CPU cache view with a block table, causal
+bottom-right) against SDPA over the same sequences one by one. ``--load`` measures the same
+rows again while a busy-loop process occupies one core (it stops by itself), beside SDPA under
+the same load. Memory: peak RSS growth of one call at S=16384 in a fresh process. Accuracy:
+error against exact fp32 attention on the original (unquantised) inputs, for HiF8 and for a
 per-tensor FP8 E4M3 emulation.
 """
 
@@ -46,6 +53,19 @@ DECODE_BATCH = (1, 8)
 DECODE_TARGET_RATIO = 0.5
 #: Under --load (one core busy), each row at most this many times its quiet time.
 LOAD_TARGET_RATIO = 1.5
+#: The vLLM-shaped row: this many decodes of one token and one prefill chunk of MIXED_CHUNK
+#: tokens, each at the same context (Skv keys, the chunk's last rows seeing all of them), paged
+#: in blocks of MIXED_BLOCK tokens; its target is this many times fp32 SDPA over the same
+#: sequences (AVX512_BF16 CPUs; MIXED_TARGET_AVX2 elsewhere).
+MIXED_DECODES = 4
+MIXED_CHUNK = 256
+MIXED_BLOCK = 128
+MIXED_TARGET_BF16 = 0.35
+MIXED_TARGET_AVX2 = 0.5
+#: The CPU's peak: seconds each of the native extension's loops runs at start.
+PEAK_SECONDS = 0.25
+#: The peak loop of each kernel family a row can name (see :func:`peak_of`).
+PEAK_KIND = {"AVX512_BF16": "bf16_dot", "AVX2": "fp32_avx2", "scalar": "fp32_avx512"}
 #: /proc/cpuinfo flags that decide which kernels a CPU can run, as the header names them.
 ISA_FLAGS = (("AVX2", ("avx2",)), ("AVX-512", ("avx512f",)), ("AVX512_BF16", ("avx512_bf16",)),
              ("AMX", ("amx_tile", "amx_bf16")))
@@ -76,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time each row's calls in turns (one of each per round) instead of one after the other")
     parser.add_argument("--quant-mode", type=int, choices=QUANT_MODES, default=0,
                         help="0 HiF8 per-tensor (default), 1 MXFP8, 6 FP8 per-token-head: the op's mode timed")
+    parser.add_argument("--mixed-skv", type=lambda s: [int(x) for x in s.split(",") if int(x)], default=None,
+                        help=f"contexts of the vLLM-shaped rows ({MIXED_DECODES} decodes + one {MIXED_CHUNK}-token "
+                             "chunk, paged); default: the first decode Skv, none when --decode-skv 0; 0 skips them")
 
 
 def cpu_description(cpuinfo: str) -> str:
@@ -107,6 +130,62 @@ def code_path(backend: str, quant_mode: int = 0) -> str:
 def causal_flops(heads: int, seq: int, dim: int = 128) -> float:
     """Useful FLOPs of causal attention: two matmuls over half the score matrix."""
     return 4.0 * heads * seq * seq * dim / 2
+
+
+def attention_flops(heads: int, seq_q: int, seq_kv: int, causal: bool, batch: int = 1, dim: int = 128) -> float:
+    """Useful FLOPs of attention: two matmuls over the scores each row sees (causal: bottom-right,
+    row i of Sq seeing Skv - Sq + i + 1 keys)."""
+    if not causal:
+        seen = seq_q * seq_kv
+    else:
+        first = seq_kv - seq_q + 1  # keys the first row sees (at least 0)
+        seen = sum(max(0, min(seq_kv, first + i)) for i in range(seq_q))
+    return 4.0 * batch * heads * seen * dim
+
+
+def measure_peaks(threads: int | None = None, seconds: float = PEAK_SECONDS) -> dict[str, float]:
+    """GFLOP/s of each of the native extension's peak loops on ``threads`` threads at once
+    (default torch's count): empty where the kernel is not built."""
+    from qfa.attention import cpu_kernel
+
+    return {kind: cpu_kernel.peak_gflops(kind, threads, seconds) for kind in cpu_kernel.peak_kinds()}
+
+
+def peaks_line(peaks: dict[str, float]) -> str:
+    if not peaks:
+        return "peak: not measured (no native kernel)"
+    names = {"fp32_avx2": "fp32 FMA 8 lanes", "fp32_avx512": "fp32 FMA 16 lanes", "bf16_dot": "bf16 dot (vdpbf16ps)"}
+    cells = ", ".join(f"{names.get(k, k)} {v:.0f}" for k, v in peaks.items())
+    return (f"peak, measured now ({torch.get_num_threads()} threads, independent chains in registers): {cells} "
+            f"GFLOP/s")
+
+
+def peak_of(isa: Sequence[str], peaks: dict[str, float]) -> float | None:
+    """The peak a row's GFLOP/s is a share of: that of the fastest kernel family it ran."""
+    known = [peaks[PEAK_KIND[name]] for name in isa if PEAK_KIND.get(name) in peaks]
+    return max(known) if known else None
+
+
+def isa_of(fn: Callable[[], object], backend: str, quant_mode: int = 0) -> list[str]:
+    """The kernel families one call of ``fn`` ran: the native kernel's own account of its
+    blocks, or the name of the other implementation."""
+    from qfa.attention import cpu_kernel
+
+    if backend != "torch":
+        return [f"backend {backend}"]
+    if quant_mode != 0 or not cpu_kernel.available():
+        return ["torch path"]
+    fn()
+    return cpu_kernel.last_paths()
+
+
+def _isa_cells(isa: Sequence[str], gflops: float, peaks: dict[str, float]) -> list[str]:
+    peak = peak_of(isa, peaks)
+    return ["+".join(isa) or "-", f"{100 * gflops / peak:.0f} %" if peak else "-"]
+
+
+#: The bench's measured peaks, set by :func:`run` (empty: rows print no share of a peak).
+PEAKS: dict[str, float] = {}
 
 
 def quantised_inputs(heads_q: int, heads_kv: int, seq: int, seed: int = 0):
@@ -211,6 +290,7 @@ def _load_cells(quiet: dict[str, float], loaded: dict[str, float] | None) -> lis
             f"{loaded['fp32'] / quiet['fp32']:.2f}x"]
 
 
+ISA_HEADERS = ["kernels", "of peak"]
 LOAD_HEADERS = ["qfa ms, 1 core busy", "qfa busy / quiet", "SDPA fp32 ms, 1 core busy", "SDPA busy / quiet"]
 
 
@@ -221,10 +301,14 @@ def decode_rows(skvs, batches, sqs, backend: str, heads: tuple[int, int], load: 
     for b in batches:
         for sq in sqs:
             for skv in skvs:
-                t, busy = measure(row_timings(quant_mode, b, hq, hkv, sq, skv, backend, causal=False), load)
+                fns = row_timings(quant_mode, b, hq, hkv, sq, skv, backend, causal=False)
+                t, busy = measure(fns, load)
+                gflops = attention_flops(hq, sq, skv, False, b) / t["qfa"] / 1e9
                 rows.append([b, sq, skv, f"{t['qfa'] * 1e3:.1f}", f"{t['fp32'] * 1e3:.1f}",
                              f"{t['qfa'] / t['fp32']:.2f}x", f"{t['bf16'] * 1e3:.1f}",
-                             f"{t['qfa'] / t['bf16']:.2f}x"] + _load_cells(t, busy))
+                             f"{t['qfa'] / t['bf16']:.2f}x", f"{gflops:.1f}"]
+                            + _isa_cells(isa_of(fns["qfa"], backend, quant_mode), gflops, PEAKS)
+                            + _load_cells(t, busy))
                 ratios.append(t["qfa"] / t["fp32"])
                 if busy:
                     load_ratios.append(busy["qfa"] / t["qfa"])
@@ -296,11 +380,13 @@ def prefill_rows(seqs, backend: str, heads=HEADS, load: bool = False, quant_mode
     rows, target_ratios, load_ratios = [], [], []
     for hq, hkv in heads:
         for seq in seqs:
-            t, busy = measure(row_timings(quant_mode, 1, hq, hkv, seq, seq, backend, causal=True), load)
+            fns = row_timings(quant_mode, 1, hq, hkv, seq, seq, backend, causal=True)
+            t, busy = measure(fns, load)
             t_ours, t32, t16 = t["qfa"], t["fp32"], t["bf16"]
-            flops = causal_flops(hq, seq)
-            rows.append([f"({hq}, {hkv})", seq, f"{t_ours * 1e3:.1f}", f"{flops / t_ours / 1e9:.1f}",
+            gflops = causal_flops(hq, seq) / t_ours / 1e9
+            rows.append([f"({hq}, {hkv})", seq, f"{t_ours * 1e3:.1f}", f"{gflops:.1f}",
                          f"{t32 * 1e3:.1f}", f"{t_ours / t32:.2f}x", f"{t16 * 1e3:.1f}", f"{t_ours / t16:.2f}x"]
+                        + _isa_cells(isa_of(fns["qfa"], backend, quant_mode), gflops, PEAKS)
                         + _load_cells(t, busy))
             if seq >= SPEED_TARGET_MIN_SEQ:
                 target_ratios.append(t_ours / t32)
@@ -309,6 +395,97 @@ def prefill_rows(seqs, backend: str, heads=HEADS, load: bool = False, quant_mode
             print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     return rows, target_ratios, load_ratios
+
+
+def mixed_batch_timings(heads_q: int, heads_kv: int, seq_kv: int, backend: str, decodes: int = MIXED_DECODES,
+                        chunk: int = MIXED_CHUNK, block_size: int = MIXED_BLOCK, seed: int = 0):
+    """The timed calls of the vLLM-shaped row, and its useful FLOPs.
+
+    One call: TND q of ``decodes`` sequences of one token and one of ``chunk`` tokens, every
+    sequence at ``seq_kv`` keys (the chunk is the last of its prompt: causal bottom-right), K/V
+    paged as vLLM's CPU cache lays them out (``[blocks, Nkv, block_size, 2 * 128]`` codes, K the
+    first 128 of each token's 256 bytes and V the rest: PA_BNBD with a token stride of 256), in
+    blocks handed out in a shuffled order through a block table. SDPA runs on the dequantised
+    values of each sequence in turn (the decodes unmasked, the chunk with its bottom-right mask)."""
+    from qfa.attention import quant_flash_attn
+    from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
+
+    if seq_kv < chunk:
+        raise ValueError(f"the vLLM-shaped row's context must hold its {chunk}-token chunk, got Skv = {seq_kv}")
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = [1] * decodes + [chunk]
+    nseq = len(q_lens)
+    per_seq = -(-seq_kv // block_size)
+    q = torch.randn(sum(q_lens), heads_q, 128, generator=gen)
+    kv = torch.randn(2, nseq, per_seq * block_size, heads_kv, 128, generator=gen)
+    scales = [(x.abs().amax() / 32768).reshape(1) for x in (q, kv[0], kv[1])]
+    q_codes = encode_to_hifloat8(q / scales[0])
+    kv_codes = [encode_to_hifloat8(kv[i] / scales[1 + i]) for i in range(2)]
+    cache = torch.zeros(nseq * per_seq, heads_kv, block_size, 2 * 128, dtype=torch.uint8)
+    table = torch.randperm(nseq * per_seq, generator=gen).to(torch.int32).view(nseq, per_seq)
+    for b in range(nseq):
+        for i in range(2):  # (blocks, block_size, Nkv, D) -> the cache's (block, head, position, D)
+            pages = kv_codes[i][b].view(per_seq, block_size, heads_kv, 128).transpose(1, 2)
+            cache[table[b].long(), :, :, i * 128:(i + 1) * 128] = pages
+    k_view, v_view = cache[..., :128], cache[..., 128:]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    used = torch.full((nseq,), seq_kv, dtype=torch.int32)
+
+    def qfa():
+        return quant_flash_attn(q_codes, k_view, v_view, *scales, 0, layout_q="TND", layout_out="TND",
+                                layout_kv="PA_BNBD", cu_seqlens_q=cu, seqused_kv=used, block_table=table, mask_mode=3,
+                                backend=backend)
+
+    qd = decode_from_hifloat8(q_codes, torch.float32) * scales[0]
+    seqs = []
+    for b in range(nseq):
+        q_b = qd[cu[b]:cu[b + 1]].transpose(0, 1).unsqueeze(0)
+        k_b, v_b = (decode_from_hifloat8(kv_codes[i][b, :seq_kv], torch.float32).mul_(scales[1 + i])
+                    .transpose(0, 1).unsqueeze(0) for i in range(2))
+        sq = q_lens[b]
+        mask = None
+        if sq > 1:  # bottom-right: row i sees keys j <= i + Skv - Sq
+            mask = (torch.arange(seq_kv)[None, :] <= torch.arange(sq)[:, None] + seq_kv - sq)
+        seqs.append((q_b, k_b, v_b, mask))
+
+    def sdpa(dtype):
+        typed = [tuple(x.to(dtype) if x is not None and x.dtype.is_floating_point else x for x in t) for t in seqs]
+
+        def run():
+            return [F.scaled_dot_product_attention(qb, kb, vb, attn_mask=m, enable_gqa=True) for qb, kb, vb, m in typed]
+        return run
+
+    flops = sum(attention_flops(heads_q, sq, seq_kv, True) for sq in q_lens)
+    return {"qfa": qfa, "fp32": sdpa(torch.float32), "bf16": sdpa(torch.bfloat16)}, flops
+
+
+def mixed_target(peaks: dict[str, float]) -> float:
+    """The vLLM-shaped row's target: tighter where the CPU runs bf16 dot products."""
+    return MIXED_TARGET_BF16 if "bf16_dot" in peaks else MIXED_TARGET_AVX2
+
+
+def mixed_rows(skvs, backend: str, heads: tuple[int, int], load: bool = False):
+    """The vLLM-shaped rows: (rows, qfa / fp32 SDPA per row, qfa busy / quiet per row)."""
+    hq, hkv = heads
+    rows, ratios, load_ratios = [], [], []
+    for skv in skvs:
+        fns, flops = mixed_batch_timings(hq, hkv, skv, backend)
+        t, busy = measure(fns, load)
+        gflops = flops / t["qfa"] / 1e9
+        rows.append([f"{MIXED_DECODES} x 1 + 1 x {MIXED_CHUNK}", skv, f"{t['qfa'] * 1e3:.1f}", f"{t['fp32'] * 1e3:.1f}",
+                     f"{t['qfa'] / t['fp32']:.2f}x", f"{t['bf16'] * 1e3:.1f}", f"{t['qfa'] / t['bf16']:.2f}x",
+                     f"{gflops:.1f}"] + _isa_cells(isa_of(fns["qfa"], backend), gflops, PEAKS) + _load_cells(t, busy))
+        ratios.append(t["qfa"] / t["fp32"])
+        if busy:
+            load_ratios.append(busy["qfa"] / t["qfa"])
+        print(".", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return rows, ratios, load_ratios
+
+
+def mixed_verdict(ratios: Sequence[float], bound: float) -> str:
+    return _verdict(f"vLLM-shaped batch target (qfa <= {bound:.2f}x fp32 SDPA over the same sequences)", bound, ratios,
+                    "mixed_verdict")
 
 
 def speed_verdict(ratios: Sequence[float]) -> str:
@@ -376,7 +553,11 @@ def run(args: argparse.Namespace) -> int:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"CPU: {cpu_description(cpuinfo)}")
     print(f"code path: {code_path(args.backend, mode)}")
-    extra = LOAD_HEADERS if args.load else []
+    PEAKS.clear()
+    if args.backend == "torch":
+        PEAKS.update(measure_peaks())
+        print(peaks_line(PEAKS))
+    extra = ISA_HEADERS + (LOAD_HEADERS if args.load else [])
     load_ratios = []
     rows, target_ratios, busy = prefill_rows(args.seqs, args.backend, args.heads, args.load, mode)
     load_ratios += busy
@@ -392,8 +573,18 @@ def run(args: argparse.Namespace) -> int:
         load_ratios += busy
         print(f"\ndecode: Sq new tokens against Skv keys, no mask, (Nq, Nkv) = ({hq}, {hkv})")
         print(markdown_table(["B", "Sq", "Skv", "qfa ms", "SDPA fp32 ms", "qfa / fp32", "SDPA bf16 ms",
-                              "qfa / bf16"] + extra, rows))
+                              "qfa / bf16", "qfa GFLOP/s"] + extra, rows))
         print("\n" + decode_verdict(decode_ratios))
+    mixed = args.mixed_skv if args.mixed_skv is not None else args.decode_skv[:1]
+    if mixed and mode == 0:
+        hq, hkv = args.heads[0]
+        rows, mixed_ratios, busy = mixed_rows(mixed, args.backend, args.heads[0], args.load)
+        load_ratios += busy
+        print(f"\nvLLM-shaped batch: one call, TND q, paged K/V (vLLM's CPU cache view, blocks of {MIXED_BLOCK}, "
+              f"shuffled), causal bottom-right, (Nq, Nkv) = ({hq}, {hkv}); SDPA over the same sequences one by one")
+        print(markdown_table(["sequences (new tokens)", "Skv", "qfa ms", "SDPA fp32 ms", "qfa / fp32", "SDPA bf16 ms",
+                              "qfa / bf16", "qfa GFLOP/s"] + extra, rows))
+        print("\n" + mixed_verdict(mixed_ratios, mixed_target(PEAKS)))
     if load_ratios:
         print(load_verdict(load_ratios))
         print(load_reference_line(gemm_load_reference()))

@@ -1,0 +1,77 @@
+"""``qfa bench attention``'s account of the native kernel: the kernels each row ran, its share of
+the CPU's measured peak, and the vLLM-shaped row (a mixed batch on paged K/V) against SDPA over
+the same sequences. No speed is asserted here (speed is the bench's to measure)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from qfa.attention import cpu_kernel
+from qfa.tools.bench import attention as bench
+from test_cpu_kernel import needs_kernel
+
+
+def test_attention_flops_count_the_scores_each_row_sees():
+    assert bench.attention_flops(2, 3, 10, False, batch=2) == 4.0 * 2 * 2 * 3 * 10 * 128
+    # bottom-right: rows of Sq = 3 against Skv = 10 see 8, 9 and 10 keys
+    assert bench.attention_flops(1, 3, 10, True) == 4.0 * (8 + 9 + 10) * 128
+    # Sq > Skv: the first rows see none
+    assert bench.attention_flops(1, 4, 2, True) == 4.0 * (0 + 0 + 1 + 2) * 128
+    assert bench.attention_flops(12, 2048, 2048, True) == pytest.approx(bench.causal_flops(12, 2048), rel=1e-3)
+
+
+def test_a_rows_peak_is_that_of_the_fastest_kernel_it_ran():
+    peaks = {"fp32_avx2": 100.0, "fp32_avx512": 200.0, "bf16_dot": 400.0}
+    assert bench.peak_of(["AVX512_BF16", "AVX2"], peaks) == 400.0
+    assert bench.peak_of(["AVX2"], peaks) == 100.0
+    assert bench.peak_of(["torch path"], peaks) is None
+    assert bench.peak_of(["AVX512_BF16"], {"fp32_avx2": 100.0}) is None
+    assert bench._isa_cells(["AVX512_BF16", "AVX2"], 100.0, peaks) == ["AVX512_BF16+AVX2", "25 %"]
+    assert bench._isa_cells(["torch path"], 100.0, peaks) == ["torch path", "-"]
+    assert "bf16 dot (vdpbf16ps) 400" in bench.peaks_line(peaks)
+
+
+@needs_kernel
+def test_mixed_row_times_the_same_attention_as_its_sdpa():
+    """The vLLM-shaped row's qfa call and the SDPA beside it attend over the same values (SDPA on
+    the dequantised codes, sequence by sequence, the chunk with its bottom-right mask), so their
+    outputs differ by HiF8's rounding of P alone: each P within 2^-4 relative, hence the output
+    within 2^-4 of sum P |V| / l, below |out| in norm for N(0, 1) values; a wrong block, mask or
+    layout gives O(1)."""
+    fns, flops = bench.mixed_batch_timings(4, 2, 600, "torch", decodes=2, chunk=40, block_size=32)
+    out = fns["qfa"]()[0].float()  # TND: (2 + 40, 4, 128)
+    assert "AVX512_BF16" in cpu_kernel.last_paths() or not cpu_kernel.bf16_dot()
+    refs = fns["fp32"]()
+    ref = torch.cat([r[0].transpose(0, 1) for r in refs])  # (1, N, S, D) per sequence -> TND
+    assert out.shape == ref.shape == (42, 4, 128)
+    assert float((out - ref).norm() / ref.norm()) < 2.0**-4
+    assert flops == bench.attention_flops(4, 1, 600, True) * 2 + bench.attention_flops(4, 40, 600, True)
+    with pytest.raises(ValueError, match="must hold its 40-token chunk, got Skv = 30"):
+        bench.mixed_batch_timings(4, 2, 30, "torch", chunk=40)
+
+
+@needs_kernel
+def test_bench_run_names_the_kernels_and_the_peak(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--heads", "4:2", "--seqs", "64", "--memory-seq", "0", "--accuracy-seq", "0",
+                              "--decode-skv", "300", "--decode-batch", "1", "--decode-sq", "16",
+                              "--mixed-skv", "300"])
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "peak, measured now" in out and "kernels" in out and "of peak" in out
+    assert "vLLM-shaped batch" in out and "4 x 1 + 1 x 256" in out
+    want = "AVX512_BF16" if cpu_kernel.bf16_dot() else "AVX2"
+    decode_row = next(line for line in out.splitlines() if line.startswith("| 1 | 16 | 300 |"))
+    assert want in decode_row and "%" in decode_row
+
+
+def test_the_mixed_row_follows_the_decode_rows_unless_asked():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).mixed_skv is None  # run() then takes the first decode Skv
+    assert parser.parse_args(["--mixed-skv", "0"]).mixed_skv == []
+    assert parser.parse_args(["--mixed-skv", "2048,4096"]).mixed_skv == [2048, 4096]
