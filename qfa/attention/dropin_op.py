@@ -17,19 +17,23 @@ import torch
 from torch import Tensor
 
 from qfa.attention import dropin_eager, wording
-from qfa.attention.dropin_call import OP_NAME, DropinCall, schema
+from qfa.attention.dropin_call import FORMAT_MODES, OP_NAME, DropinCall, schema
 
 #: ``quant_flash_attn``'s names for the scales the drop-in computes or takes from ``scales=``,
 #: in the drop-in's words (its callers never pass a descale).
 OP_SCALE_NAMES = {"q_descale": "q_scale", "k_descale": "k_scale", "v_descale": "v_scale"}
 SCALES_NOTE = ("q_scale, k_scale, v_scale: the scales q, k and v are quantised with, given in scales= or computed "
                "from them")
+#: The op's modes as the drop-in's formats (``format=``, what the caller chose).
+OP_MODE_NAMES = {f"quant_mode {int(mode)}": f"format {name!r}" for name, mode in FORMAT_MODES.items()}
 
 
 def callers_words(said: Mapping[str, str] | None = None) -> ContextManager[None]:
     """The drop-in's computation's errors in its caller's words: the op's descales under the
-    names of ``scales=``, and ``said``'s renames (a parameter -> the deprecated alias used)."""
-    return wording.callers_words({**OP_SCALE_NAMES, **(said or {})}, dict.fromkeys(OP_SCALE_NAMES, SCALES_NOTE))
+    names of ``scales=``, its modes as formats, and ``said``'s renames (a parameter -> the
+    deprecated alias used)."""
+    return wording.callers_words({**OP_SCALE_NAMES, **OP_MODE_NAMES, **(said or {})},
+                                 dict.fromkeys(OP_SCALE_NAMES, SCALES_NOTE))
 
 
 def _kernel(*args) -> tuple[Tensor, Tensor]:

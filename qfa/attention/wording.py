@@ -22,8 +22,8 @@ _REWORDED = (ValueError, TypeError)
 
 @contextlib.contextmanager
 def callers_words(names: Mapping[str, str], notes: Mapping[str, str] | None = None) -> Iterator[None]:
-    """Inside the block, a ValueError / TypeError naming a key of ``names`` is raised again with
-    each such name replaced by its value, plus ``notes[key]`` (once each) for every key found,
+    """Inside the block, a ValueError / TypeError naming a key of ``names`` (a name, or a phrase
+    such as ``"quant_mode 6"``) is raised again with each such name replaced by its value, plus ``notes[key]`` (once each) for every key found,
     keeping the original traceback. Other exceptions, and messages naming none of the keys,
     pass unchanged."""
     try:

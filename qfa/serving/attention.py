@@ -42,8 +42,9 @@ from qfa.tiling.spec import HEAD_DIM, MaskMode, QuantMode, default_softmax_scale
 
 #: The op's names for what cached_attention builds itself, in its caller's words.
 _OP_NAMES = {"q_descale": "q_scale", "k_descale": "k_scale", "v_descale": "v_scale", "mask_mode": "is_causal"}
-_SCALES_NOTE = ("q_scale, k_scale, v_scale: the layer's scales, given in HiF8Cache(scales=...) or computed by the "
-                "calibration rule (q's from query, k's and v's from the prefill)")
+_SCALES_NOTE = ("q_scale, k_scale, v_scale: the layer's scales of query, keys and values, given in "
+                "HiF8Cache(scales=...) or computed by the calibration rule (query's on this call, the others on the "
+                "prefill)")
 _OP_NOTES = dict.fromkeys(("q_descale", "k_descale", "v_descale"), _SCALES_NOTE)
 
 
