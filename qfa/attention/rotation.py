@@ -33,10 +33,18 @@ def _check_size(n: int) -> None:
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {n}")
 
 
+def _fp32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+#: fl(1/sqrt(n)) per power of two, made at import: a constant for a traced graph to read.
+_NORMALISATIONS = {1 << k: _fp32(1 / math.sqrt(1 << k)) for k in range(31)}
+
+
 def normalisation(n: int) -> float:
     """fl(1/sqrt(n)): the fp32 factor every entry of the stored H carries (as a Python float)."""
     _check_size(n)
-    return struct.unpack("f", struct.pack("f", 1 / math.sqrt(n)))[0]
+    return _NORMALISATIONS[n]
 
 
 @functools.lru_cache(maxsize=8)
