@@ -83,6 +83,12 @@ def paged(appended: int = 0) -> PagedHiF8Cache:
     return cache
 
 
+def _compat():
+    import qfa.compat.cann_ops_transformer as compat
+
+    return compat
+
+
 def _meta_scales():
     return tuple(torch.ones(1, device="meta") for _ in range(3))
 
@@ -112,6 +118,13 @@ def _cases() -> list[Case]:
              params(qfa.quant_flash_attn), must={"q_descale"}),
         Case("op: layout", lambda: qfa.quant_flash_attn(codes, codes, codes, one, one, one, 0, layout="SBND"),
              params(qfa.quant_flash_attn)),
+        Case("compat: negative descale", lambda: _compat().quant_flash_attn(codes, codes, codes, -one, one, one, 0,
+                                                                           layout_q="BNSD", layout_kv="BNSD",
+                                                                           layout_out="BNSD"),
+             params(_compat().quant_flash_attn), must={"q_descale"}),
+        Case("compat: layout_kv", lambda: _compat().quant_flash_attn(codes, codes, codes, one, one, one, 0,
+                                                                    layout_kv="SBND"),
+             params(_compat().quant_flash_attn), must={"layout_kv"}),
         pytest.param(Case("metadata: heads", lambda: qfa.quant_flash_attn_metadata(3, 2),
                           params(qfa.quant_flash_attn_metadata)),
                      marks=pytest.mark.xfail(strict=True, reason="the op's head rule (qfa.tiling, not this change's) "
