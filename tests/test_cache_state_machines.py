@@ -497,7 +497,7 @@ class HiF8CacheMachine(RuleBasedStateMachine):
         if bad == "batch":
             b += 1
         if bad == "heads":
-            n = 1
+            n += 1
         k = values((b, n, s, D), seed, kind, dtype)
         v = values((b, n, s + (bad == "v_len"), D), seed + 1, "normal", dtype)
         if bad == "dim":

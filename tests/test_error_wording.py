@@ -170,6 +170,8 @@ def _cases() -> list[Case]:
         Case("module: observe meta", lambda: M().observe(*(t.to("meta") for t in qkv())), params(M.observe)),
         # the paged cache
         Case("paged: block_size", lambda: PagedHiF8Cache(1, 4, 24, 2), params(PagedHiF8Cache), must={"block_size"}),
+        Case("paged: meta scales=", lambda: PagedHiF8Cache(1, 4, 16, 2, scales=[_meta_scales()[:2]]),
+             params(PagedHiF8Cache), must={"scales"}),
         Case("paged: append NaN k", lambda: paged().append("a", 0, tokens(3, nan=True), tokens(3)),
              params(PagedHiF8Cache.append), must={"k"}),
         Case("paged: append NaN v", lambda: paged().append("a", 0, tokens(3), tokens(3, nan=True)),
