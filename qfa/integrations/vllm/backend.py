@@ -199,8 +199,9 @@ class QfaHiF8Impl(AttentionImpl):
     # ------------------------------------------------------------------ the layer's state
 
     def _layer_state(self, layer, key: torch.Tensor, value: torch.Tensor) -> LayerState:
-        """The frozen state, made on the first real write: from the file, or measured on these
-        tokens (all-reduced across tensor-parallel ranks, so every rank fixes the same scales)."""
+        """The frozen state, or the one the first real write makes (not kept here: the caller
+        commits it once the write has succeeded): from the file, or measured on these tokens
+        (all-reduced across tensor-parallel ranks, so every rank fixes the same scales)."""
         if self.state is not None:
             return self.state
         if self._calibration is not None:
@@ -208,14 +209,8 @@ class QfaHiF8Impl(AttentionImpl):
 
             rank, size = _tp_rank_size()
             heads = calibration_file.rank_heads(self._calibration.shape.num_kv_heads, size, rank)
-            state = self._calibration.layer_state(extract_layer_index(layer.layer_name), heads, key.device)
-        else:
-            state = LayerState.measure(key, value, self.options.transform, self.rule, _tp_group())
-            logger.info("qfa: %s fixed its HiF8 scales from its first %d tokens: k_scale %g, v_scale %g",
-                        getattr(layer, "layer_name", "a layer"), key.shape[0], float(state.k_scale),
-                        float(state.v_scale))
-        self.state = state
-        return state
+            return self._calibration.layer_state(extract_layer_index(layer.layer_name), heads, key.device)
+        return LayerState.measure(key, value, self.options.transform, self.rule, _tp_group())
 
     def _count_saturated(self, layer, count: torch.Tensor) -> None:
         state = self.state
@@ -237,21 +232,37 @@ class QfaHiF8Impl(AttentionImpl):
         if is_forward_context_available() and get_forward_context().attn_metadata is None:
             return  # profiling run: dummy tokens, which must not fix the layer's scales
         tokens = slot_mapping.shape[0]
+        expected = (self.num_kv_heads, self.head_size)
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.shape[0] < tokens:
+                raise ValueError(f"{name} must be (>= {tokens} tokens, {expected[0]} kv heads, {expected[1]}) for "
+                                 f"slot_mapping's {tokens} slots, got {tuple(t.shape)}")
         key, value = key[:tokens], value[:tokens]
         real = slot_mapping >= 0  # vLLM pads a batch with slot -1
         if not bool(real.all()):
             key, value, slot_mapping = key[real], value[real], slot_mapping[real]
         if key.shape[0] == 0:
             return
+        k_cache, v_cache = cache_views(kv_cache)
+        blocks_total, _, block_size, _ = k_cache.shape
+        slots = slot_mapping.long()
+        if int(slots.max()) >= blocks_total * block_size:
+            raise ValueError(f"slot_mapping holds slot {int(slots.max())}, beyond the cache's "
+                             f"{blocks_total} blocks of {block_size} tokens")
+        # everything is computed before anything is kept: a call that fails leaves the cache and
+        # the layer's state as they were
         state = self._layer_state(layer, key, value)
         k_codes, k_sat = state.encode_keys(key)
         v_codes, v_sat = state.encode_values(value)
-        k_cache, v_cache = cache_views(kv_cache)
-        block_size = k_cache.shape[2]
-        slots = slot_mapping.long()
         blocks, offsets = slots // block_size, slots % block_size
         k_cache[blocks, :, offsets] = k_codes
         v_cache[blocks, :, offsets] = v_codes
+        if self.state is None:
+            self.state = state
+            if self._calibration is None:
+                logger.info("qfa: %s fixed its HiF8 scales from its first %d tokens: k_scale %g, v_scale %g",
+                            getattr(layer, "layer_name", "a layer"), key.shape[0], float(state.k_scale),
+                            float(state.v_scale))
         self._count_saturated(layer, k_sat + v_sat)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -270,10 +281,9 @@ class QfaHiF8Impl(AttentionImpl):
             return output
         q = state.prepare_queries(query[:n].view(n, self.num_heads, self.head_size))
         q_scale = state.q_scale
+        fixes_q_scale = q_scale is None and self.options.q_scale == "static"
         if q_scale is None or self.options.q_scale == "call":
             q_scale = measured_scale(q, self.rule, "query", _tp_group())
-            if self.options.q_scale == "static":
-                state.q_scale = q_scale
         k_cache, v_cache = cache_views(kv_cache)
         o, _ = quant_flash_attn(
             cal.quantize(q, q_scale), k_cache, v_cache, q_scale, state.k_scale, state.v_scale,
@@ -282,4 +292,6 @@ class QfaHiF8Impl(AttentionImpl):
             mask_mode=MaskMode.CAUSAL, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
         )
         out.copy_(state.transform.rotated(o) if state.transform.rotate else o)
+        if fixes_q_scale:  # kept once the call has succeeded
+            state.q_scale = q_scale
         return output
