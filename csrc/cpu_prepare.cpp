@@ -23,13 +23,11 @@
 // A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header:
 // the first build takes about a second. The Python side (qfa/attention/cpu_prepare.py) checks the
 // tensors and passes their data pointers.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <climits>
 #include <cstring>
-#include <string>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -56,7 +54,6 @@ struct Consts {
   int nan_code = 0;
   int inf_code = 0;
   int band[3] = {0, 0, 0};  // |E| limits of the binades keeping >= 1, 2, 3 mantissa bits
-  uint32_t nan_bits = 0;    // fp32 pattern of the decode table's NaN (what a NaN input becomes)
   bool set = false;
 };
 Consts K;
@@ -65,7 +62,6 @@ void set_constants(const int64_t* c) {
   K.max_w = (int)c[0]; K.overflow_w = (int)c[1]; K.min_denormal_w = (int)c[2]; K.underflow_w = (int)c[3];
   K.nan_code = (int)c[4]; K.inf_code = (int)c[5];
   K.band[0] = (int)c[6]; K.band[1] = (int)c[7]; K.band[2] = (int)c[8];
-  K.nan_bits = (uint32_t)c[9];
   K.set = true;
 }
 

@@ -91,7 +91,7 @@ def _word(value: float) -> int:
 def constants() -> list[int]:
     """The format's constants as the source takes them (``set_constants``)."""
     return [_word(fmt.MAX), _word(fmt.OVERFLOW_THRESHOLD), _word(fmt.MIN_DENORMAL), _word(fmt.UNDERFLOW_THRESHOLD),
-            fmt.NAN_CODE, fmt.POS_INF_CODE, *rounding.BAND_LIMITS, rounding.NAN_BITS & 0xFFFFFFFF]
+            fmt.NAN_CODE, fmt.POS_INF_CODE, *rounding.BAND_LIMITS]
 
 
 def _build() -> ctypes.CDLL:
