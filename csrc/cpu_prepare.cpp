@@ -239,8 +239,8 @@ void build_luts() {
 
 // out[i] = lut[w[i]], 8 at a time.
 void lut_words(const uint16_t* w, uint8_t* out, int64_t n, const uint8_t* lut) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  const int64_t full = n - n % 8;
+  for (int64_t i = 0; i < full; i += 8) {
     uint64_t a, b;
     std::memcpy(&a, w + i, 8);
     std::memcpy(&b, w + i + 4, 8);
@@ -250,7 +250,7 @@ void lut_words(const uint16_t* w, uint8_t* out, int64_t n, const uint8_t* lut) {
                  (uint64_t)lut[(b >> 32) & 0xFFFF] << 48 | (uint64_t)lut[b >> 48] << 56;
     std::memcpy(out + i, &v, 8);
   }
-  for (; i < n; ++i) out[i] = lut[w[i]];
+  for (int64_t i = full; i < n; ++i) out[i] = lut[w[i]];
 }
 
 // ---- scalar level (the reference for the SIMD ones: the same operations in the same order) -----
