@@ -46,6 +46,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from qfa.attention import calibration as cal
 from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
+from qfa.attention.prepare import restore_output
 from qfa.integrations.vllm import calibration_file
 from qfa.integrations.vllm import options as opts
 from qfa.integrations.vllm.layer_state import LayerState, measured_scale
@@ -279,19 +280,22 @@ class QfaHiF8Impl(AttentionImpl):
         if state is None:  # no key written yet (every sequence empty): nothing to attend to
             out.zero_()
             return output
-        q = state.prepare_queries(query[:n].view(n, self.num_heads, self.head_size))
+        q = query[:n].view(n, self.num_heads, self.head_size)
         q_scale = state.q_scale
         fixes_q_scale = q_scale is None and self.options.q_scale == "static"
         if q_scale is None or self.options.q_scale == "call":
-            q_scale = measured_scale(q, self.rule, "query", _tp_group())
+            q_scale = measured_scale(state.prepare_queries(q), self.rule, "query", _tp_group())
         k_cache, v_cache = cache_views(kv_cache)
         o, _ = quant_flash_attn(
-            cal.quantize(q, q_scale), k_cache, v_cache, q_scale, state.k_scale, state.v_scale,
+            state.encode_queries(q, q_scale), k_cache, v_cache, q_scale, state.k_scale, state.v_scale,
             QuantMode.HIF8_PER_TENSOR, block_table=attn_metadata.block_table, cu_seqlens_q=attn_metadata.cu_seqlens_q,
             seqused_kv=attn_metadata.seqused_kv, metadata=attn_metadata.plan, softmax_scale=self.scale,
             mask_mode=MaskMode.CAUSAL, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
         )
-        out.copy_(state.transform.rotated(o) if state.transform.rotate else o)
+        restored = restore_output(o, out.dtype) if state.transform.rotate else None
+        if restored is None:
+            restored = state.transform.rotated(o) if state.transform.rotate else o
+        out.copy_(restored)
         if fixes_q_scale:  # kept once the call has succeeded
             state.q_scale = q_scale
         return output

@@ -21,7 +21,7 @@ import torch
 
 from qfa.attention import calibration as cal
 from qfa.attention import rotation
-from qfa.serving.encoding import encode
+from qfa.attention.prepare import encode_tokens
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,17 @@ class LayerState:
         return self.transform.rotated(q)
 
     def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(codes, saturated)`` of keys (T, Nkv, 128): smoothed, rotated, scaled, saturating."""
-        kf = k.float() - self.k_mean if self.k_mean is not None else k
-        return encode(self.transform.rotated(kf), self.k_scale)
+        """``(codes, saturated)`` of keys (T, Nkv, 128): smoothed, rotated, scaled, saturating
+        (:func:`qfa.attention.prepare.encode_tokens`: two native passes on CPU, the bits of
+        ``quantize(rotate(k.float() - mean), k_scale)``)."""
+        codes, _, saturated = encode_tokens(k, mean=self.k_mean, rotate=self.transform.rotate, scale=self.k_scale)
+        return codes, saturated
 
     def encode_values(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, saturated)`` of values (T, Nkv, 128): rotated, scaled, saturating."""
-        return encode(self.transform.rotated(v), self.v_scale)
+        codes, _, saturated = encode_tokens(v, rotate=self.transform.rotate, scale=self.v_scale)
+        return codes, saturated
+
+    def encode_queries(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Codes of queries (T, Nq, 128): rotated, scaled by ``scale``, saturating."""
+        return encode_tokens(q, rotate=self.transform.rotate, scale=scale)[0]
