@@ -1,8 +1,9 @@
 """``qfa bench cast``: HiF8 encode/decode throughput beside torch's native fp8 cast and a copy.
 
 Throughput is (input bytes + output bytes) / time, the Ascend cast op's formula. Every figure
-is the median of several runs measured in the same process as its references, and the ratios
-are what to compare across machines. The header names the CPU and the encode path that ran (on
+is the median of several rounds that time each operation once in turn, in the same process as
+its references (a shared host's slow minutes fall on all alike), and the ratios are what to
+compare across machines. The header names the CPU and the encode path that ran (on
 CPU the native encoder at the best SIMD level the CPU has, see qfa.attention.cpu_prepare);
 ``--levels`` adds the encode ratio of every lower native level and of the torch path (the
 compiled table gather), so one run shows what each path gives on this CPU. The verdict line is
@@ -15,7 +16,7 @@ import argparse
 
 import torch
 
-from qfa.tools.bench.timing import human_count, markdown_table, median_seconds, parse_count
+from qfa.tools.bench.timing import human_count, interleaved_medians, markdown_table, parse_count
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
@@ -42,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU: also the encode of every lower native SIMD level and of the torch path")
 
 
-def _encode_variants(device: str, backend: str | None) -> dict[str, "contextlib.AbstractContextManager"]:
-    """Extra encode paths for ``--levels``: each lower native level, and the torch path."""
+def _encode_variants(device: str, backend: str | None) -> dict:
+    """Extra encode paths for ``--levels``: name -> a context manager factory that selects it
+    (each lower native level, and the torch path)."""
     import contextlib
     import os
 
@@ -72,8 +74,8 @@ def _encode_variants(device: str, backend: str | None) -> dict[str, "contextlib.
 
     out = {}
     if device == "cpu" and backend in (None, "torch") and cpu_prepare.available():
-        out.update({f"encode {cpu_prepare.ISA_NAMES[i]}": level(i) for i in range(cpu_prepare.isa_level())})
-        out["encode torch path"] = torch_path()
+        out.update({f"encode {cpu_prepare.ISA_NAMES[i]}": (lambda i=i: level(i)) for i in range(cpu_prepare.isa_level())})
+        out["encode torch path"] = torch_path
     return out
 
 
@@ -109,15 +111,23 @@ def measure(n: int, device: str = "cpu", backend: str | None = None, levels: boo
     }
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def timed(fn):
-        return lambda: (fn(), sync())
+    def timed(fn, setting=None):
+        def call():
+            if setting is None:
+                fn()
+            else:
+                with setting():
+                    fn()
+            sync()
+        return call
 
-    result = {name: bytes_per * n / median_seconds(timed(fn)) / 1e9 for name, (fn, bytes_per) in ops.items()}
+    fns = {name: timed(fn) for name, (fn, _) in ops.items()}
+    volume = {name: bytes_per for name, (_, bytes_per) in ops.items()}
     if levels:
-        for name, context in _encode_variants(device, backend).items():
-            with context:
-                result[name] = 3 * n / median_seconds(timed(ops["encode"][0])) / 1e9
-    return result
+        for name, setting in _encode_variants(device, backend).items():
+            fns[name], volume[name] = timed(ops["encode"][0], setting), 3
+    medians = interleaved_medians(fns, min_runs=7, min_total=0.5, max_runs=60)
+    return {name: volume[name] * n / seconds / 1e9 for name, seconds in medians.items()}
 
 
 def run(args: argparse.Namespace) -> int:
