@@ -30,20 +30,11 @@ TEXT = (
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer Qwen2-style model (head_dim 128, 4 q / 2 kv heads) and a small BPE tokenizer."""
-    from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from tiny_models import save_qwen2, save_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_qwen2")
-    tok = Tokenizer(tk_models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                         show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=384, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=512)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    save_tokenizer(path, TEXT)
+    save_qwen2(path)
     (path / "text.txt.gz").write_bytes(gzip.compress(TEXT.encode()))
     return path
 

@@ -29,21 +29,11 @@ TEXT = ("the quick brown fox jumps over the lazy dog while attention reads its c
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model folder, tokenizer folder, text file): vLLM wants the tokenizer in its own folder."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from tiny_models import save_qwen2, save_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_vllm")
-    tok = Tokenizer(tk_models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=320, show_progress=False,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root / "tok")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=384, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    save_tokenizer(root / "tok", TEXT)
+    save_qwen2(root / "model", max_positions=2048)
     (root / "text.txt").write_text(TEXT)
     return root / "model", root / "tok", root / "text.txt"
 
