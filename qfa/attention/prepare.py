@@ -70,7 +70,8 @@ def segments(t: torch.Tensor, layout: str, cu_seqlens: Optional[torch.Tensor],
     out: list[int] = []
     if layout == "TND":
         cu = cu_seqlens.tolist()
-        if any(not 0 <= lo <= hi <= t.shape[0] for lo, hi in zip(cu, cu[1:])):
+        if any(not 0 <= lo <= hi <= t.shape[0] for lo, hi in zip(cu, cu[1:])) or \
+                (used is not None and len(used) != len(cu) - 1):
             return None
         for b, (lo, hi) in enumerate(zip(cu, cu[1:])):
             out += [0, lo, hi - lo if used is None else max(0, min(used[b], hi - lo)), hi - lo]
