@@ -204,5 +204,10 @@ def test_qfa_serve_command_line_is_vllm_serve_with_qfas_flags(tmp_path):
     assert flags["--attention-backend"] == "CUSTOM" and flags["--kv-cache-dtype"] == "fp8"
     assert json.loads(flags["--additional-config"])["qfa"]["calibration_file"] is None
     assert command_line(["MODEL", "--kv-cache", "bf16"]) == ["serve", "MODEL"]
+    merged = command_line(["MODEL", "--additional-config", '{"other": 1}'])
+    config = json.loads(dict(zip(merged[2::2], merged[3::2]))["--additional-config"])
+    assert config["other"] == 1 and config["qfa"]["rule"] == "rms"
+    with pytest.raises(ValueError, match="must be JSON"):
+        command_line(["MODEL", "--additional-config", "{nope"])
     with pytest.raises(ValueError, match="does not exist"):
         command_line(["MODEL", "--calibration", str(tmp_path / "missing.json")])

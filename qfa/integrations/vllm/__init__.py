@@ -63,6 +63,9 @@ def engine_kwargs(kv_cache: str = "hif8", calibration: Optional[str | os.PathLik
     if calibration is not None:
         from qfa.integrations.vllm import calibration_file
 
+        if not isinstance(calibration, (str, os.PathLike)):
+            raise TypeError(f"calibration must be a path (str or os.PathLike) to a file from qfa calibrate, or None; "
+                            f"got {type(calibration).__name__}")
         calibration = os.path.abspath(os.fspath(calibration))
         calibration_file.load(calibration)
     parsed = Options.parse({**options, "calibration_file": calibration}, "engine_kwargs options")

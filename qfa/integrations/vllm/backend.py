@@ -194,6 +194,8 @@ class QfaHiF8Impl(AttentionImpl):
         self.options = opts.from_vllm_config(get_current_vllm_config()) or opts.Options()
         self.rule = cal.get_rule(self.options.rule)
         self.state: Optional[LayerState] = None
+        # the query scale is the layer's own, also when it reads another layer's cache
+        self.q_scale: Optional[torch.Tensor] = None
         self._calibration = calibration_file.load_optional(self.options.calibration_file)
         self._warned_saturation = 0
 
@@ -275,13 +277,13 @@ class QfaHiF8Impl(AttentionImpl):
         if attn_metadata is None:  # profiling run
             return output
         n = attn_metadata.num_actual_tokens
-        state = self.state
+        state = self._kv_state()
         out = output[:n].view(n, self.num_heads, self.head_size)
         if state is None:  # no key written yet (every sequence empty): nothing to attend to
             out.zero_()
             return output
         q = query[:n].view(n, self.num_heads, self.head_size)
-        q_scale = state.q_scale
+        q_scale = self._static_q_scale(layer, q.device)
         fixes_q_scale = q_scale is None and self.options.q_scale == "static"
         if q_scale is None or self.options.q_scale == "call":
             q_scale = measured_scale(state.prepare_queries(q), self.rule, "query", _tp_group())
@@ -297,5 +299,23 @@ class QfaHiF8Impl(AttentionImpl):
             restored = state.transform.rotated(o) if state.transform.rotate else o
         out.copy_(restored)
         if fixes_q_scale:  # kept once the call has succeeded
-            state.q_scale = q_scale
+            self.q_scale = q_scale
         return output
+
+    def _kv_state(self) -> Optional[LayerState]:
+        """The state of the codes this layer reads: its own, or, for a layer that shares an
+        earlier layer's cache (vLLM writes only the target's), the target layer's."""
+        if self.kv_sharing_target_layer_name is None:
+            return self.state
+        target = get_forward_context().no_compile_layers[self.kv_sharing_target_layer_name]
+        return target.impl.state
+
+    def _static_q_scale(self, layer, device) -> Optional[torch.Tensor]:
+        """The layer's fixed query scale: kept from an earlier call, or the calibration file's."""
+        if self.q_scale is None and self._calibration is not None and self.options.q_scale == "static":
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            entry = self._calibration.layers[extract_layer_index(layer.layer_name)]
+            if entry[3] is not None:
+                self.q_scale = torch.tensor([entry[3]], dtype=torch.float32, device=device)
+        return self.q_scale

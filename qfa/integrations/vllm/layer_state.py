@@ -67,7 +67,8 @@ def measured_scale(x: torch.Tensor, rule: cal.Rule, name: str, process_group=Non
 @dataclass
 class LayerState:
     """A layer's cache state once fixed: fp32 (1,) scales, the K mean (Nkv, 128) or None, and
-    the static query scale once fixed (None until the layer's first attention call)."""
+    the layer's query scale where one was measured with it (``qfa calibrate``; the engine keeps
+    its own per layer, since a layer may read another layer's cache)."""
 
     k_scale: torch.Tensor
     v_scale: torch.Tensor

@@ -41,8 +41,16 @@ class QfaCpuPlatform(CpuPlatform):
         reason = support.unsupported_reason(attn_selector_config)
         if reason is None:
             return BACKEND_PATH
-        logger.info("qfa: a layer with %s runs on vLLM's CPU_ATTN", reason)
+        if attn_selector_config.kv_cache_dtype == opts.VLLM_CACHE_DTYPE and reason not in cls._warned:
+            # the layer's cache dtype was fixed before its backend was chosen: the engine-start
+            # check did not see this feature, so the layer keeps vLLM's own fp8 cache
+            cls._warned.add(reason)
+            logger.warning("qfa: layers with %s run on vLLM's CPU_ATTN with vLLM's own fp8 e4m3 cache (its scales, "
+                           "1.0 unless the checkpoint has them); list their indices in kv_cache_dtype_skip_layers "
+                           "to give them a cache in the model's dtype", reason)
         return super().get_attn_backend_cls(None, attn_selector_config, num_heads)
+
+    _warned: set = set()
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:

@@ -49,8 +49,18 @@ def command_line(argv: Sequence[str]) -> list[str]:
     parser = argparse.ArgumentParser(prog="qfa serve", add_help=False)
     parser.add_argument("--kv-cache", default="hif8", choices=KV_CACHES)
     parser.add_argument("--calibration", default=None)
+    parser.add_argument("--additional-config", default=None)
     ours, rest = parser.parse_known_args(list(argv))
-    return ["serve", *rest, *vllm_flags(engine_kwargs(kv_cache=ours.kv_cache, calibration=ours.calibration))]
+    kwargs = engine_kwargs(kv_cache=ours.kv_cache, calibration=ours.calibration)
+    if ours.additional_config is not None:  # the user's own, with qfa's key beside it
+        try:
+            given = json.loads(ours.additional_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--additional-config must be JSON, got {ours.additional_config!r}: {exc}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"--additional-config must be a JSON object, got {ours.additional_config!r}")
+        kwargs["additional_config"] = {**given, **kwargs.get("additional_config", {})}
+    return ["serve", *rest, *vllm_flags(kwargs)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

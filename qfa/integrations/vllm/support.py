@@ -19,6 +19,10 @@ logger = logging.getLogger("vllm.qfa")  # under vLLM's logger: its handler print
 
 #: vLLM's name for decoder self-attention (``AttentionType.DECODER``).
 DECODER = "decoder"
+#: Block sizes the op's paged layouts take: multiples of 16 up to 1024.
+BLOCK_MULTIPLE, MAX_BLOCK = 16, 1024
+#: Model types whose attention is always ALiBi (their configs carry no flag saying so).
+ALIBI_MODEL_TYPES = ("bloom",)
 
 
 def unsupported_reason(selector) -> Optional[str]:
@@ -49,6 +53,17 @@ def _layer_types(hf_text_config, num_layers: int) -> list[str]:
     return ["full_attention"] * num_layers
 
 
+def _uses_alibi(text) -> bool:
+    """ALiBi as model configs say it: a flag (falcon, baichuan-style, step), MPT's attn_config,
+    or a model type that has no other attention."""
+    if any(getattr(text, flag, False) for flag in ("alibi", "use_alibi", "use_alibi_sqrt")):
+        return True
+    attn_config = getattr(text, "attn_config", None)
+    if isinstance(attn_config, dict) and attn_config.get("alibi"):
+        return True
+    return getattr(text, "model_type", None) in ALIBI_MODEL_TYPES
+
+
 def handed_back_layers(model_config) -> dict[int, str]:
     """Layer index -> reason, for the layers of the model that qfa cannot run, read from the
     model's config before any layer is built."""
@@ -60,7 +75,7 @@ def handed_back_layers(model_config) -> dict[int, str]:
         model_wide = f"head size {head} (the HiF8 op takes {HEAD_DIM})"
     elif getattr(text, "attn_logit_softcapping", None):
         model_wide = "a logit soft cap"
-    elif getattr(text, "alibi", False) or getattr(text, "use_alibi", False):
+    elif _uses_alibi(text):
         model_wide = "ALiBi"
     if model_wide is not None:
         return {i: model_wide for i in range(num_layers)}
@@ -81,6 +96,10 @@ def configure_engine(vllm_config, options: opts.Options) -> None:
             f"qfa's HiF8 backend (attention_backend={opts.VLLM_BACKEND!r}) stores 1-byte codes in vLLM's "
             f"kv_cache_dtype={opts.VLLM_CACHE_DTYPE!r} cache; got kv_cache_dtype={cache.cache_dtype!r}. Use "
             f"qfa.integrations.vllm.engine_kwargs(), or pass --kv-cache-dtype {opts.VLLM_CACHE_DTYPE}")
+    block = cache.block_size
+    if block is not None and (block % BLOCK_MULTIPLE or block > MAX_BLOCK):
+        raise ValueError(f"qfa's HiF8 backend reads paged blocks of a multiple of {BLOCK_MULTIPLE} tokens up to "
+                         f"{MAX_BLOCK}; got block_size={block}")
     model = vllm_config.model_config
     if model is None:
         return
