@@ -23,10 +23,13 @@
 // A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header:
 // the first build takes about a second. The Python side (qfa/attention/cpu_prepare.py) checks the
 // tensors and passes their data pointers.
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
-#include <climits>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -970,6 +973,19 @@ int64_t qfa_rotate_rows(const void* x, int64_t dt, void* out, int64_t odt, int64
   return 0;
 }
 
+// libgomp's thread team does not survive fork: a child's first parallel region would wait
+// forever for the parent's threads. A forked process (and its descendants) runs the cast on
+// its calling thread.
+std::atomic<bool> g_forked{false};
+
+void mark_forked() { g_forked.store(true); }
+
+const int kAtfork = pthread_atfork(nullptr, nullptr, mark_forked);
+
+int team_size(int64_t threads, int64_t chunks) {
+  return g_forked.load() ? 1 : (int)std::min(threads, chunks);
+}
+
 // Spans of the plain cast: one thread's share is at least this many elements (a few hundred
 // microseconds of work), so small tensors never open a parallel region.
 constexpr int64_t kGrain = 1 << 18;
@@ -991,8 +1007,9 @@ int64_t qfa_encode_flat(const void* x, int64_t dt, uint8_t* out, int64_t n, int6
   int d = (int)dt;
   int64_t chunks = (n + kGrain - 1) / kGrain;
   bool stream = streams(ob, n, level);
-  if (chunks <= 1 || threads <= 1) { encode_span(level, xb, d, ob, n, inf_mode != 0, stream); return 0; }
-#pragma omp parallel for num_threads((int)std::min(threads, chunks)) schedule(static)
+  int team = team_size(threads, chunks);
+  if (team <= 1) { encode_span(level, xb, d, ob, n, inf_mode != 0, stream); return 0; }
+#pragma omp parallel for num_threads(team) schedule(static)
   for (int64_t k = 0; k < chunks; ++k) {
     int64_t a = k * kGrain, b = std::min(n, a + kGrain);
     encode_span(level, xb + a * esize(d), d, ob + a, b - a, inf_mode != 0, stream);
@@ -1011,8 +1028,9 @@ int64_t qfa_quantize_flat(const void* x, int64_t dt, uint8_t* out, int64_t n, do
   float s = (float)scale;
   int64_t chunks = (n + kGrain - 1) / kGrain, total = 0;
   bool stream = streams(ob, n, level);
-  if (chunks <= 1 || threads <= 1) return quantize_span(level, xb, d, ob, n, s, stream);
-#pragma omp parallel for num_threads((int)std::min(threads, chunks)) schedule(static) reduction(+ : total)
+  int team = team_size(threads, chunks);
+  if (team <= 1) return quantize_span(level, xb, d, ob, n, s, stream);
+#pragma omp parallel for num_threads(team) schedule(static) reduction(+ : total)
   for (int64_t k = 0; k < chunks; ++k) {
     int64_t a = k * kGrain, b = std::min(n, a + kGrain);
     total += quantize_span(level, xb + a * esize(d), d, ob + a, b - a, s, stream);

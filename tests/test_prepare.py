@@ -127,6 +127,25 @@ def test_outputs_past_the_caches_stream_with_the_same_bits(level):
     assert saturated == int(((q.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(q)).sum())
 
 
+def test_a_forked_child_encodes_after_the_parents_parallel_cast():
+    """libgomp's team does not survive fork: the child runs the cast on its calling thread
+    (it hung in the parent's team before). Compared by hash: a torch op in the child could
+    itself open a parallel region."""
+    code = (
+        "import hashlib, os, torch, qfa\n"
+        "x = torch.randn(1 << 22).bfloat16()\n"
+        "digest = lambda: hashlib.sha1(qfa.encode_to_hifloat8(x).numpy().tobytes()).hexdigest()\n"
+        "want = digest()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if digest() == want else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "0"
+
+
 def test_calibration_quantize_takes_the_native_pass_with_the_same_bits(monkeypatch):
     x = randn(3, 70, D, seed=3, dtype=torch.bfloat16)[:, ::2]  # strided
     native = cal.quantize(x, 0.125)
