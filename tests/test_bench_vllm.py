@@ -303,3 +303,11 @@ def test_the_command_runs_every_engine_on_a_tiny_model(tiny_model, tmp_path, cap
         (str(b), bv.CONFIGS[e][0]) for b in (1, 2) for e in bv.SPEED_ENGINES)
     assert all(float(r[4]) > 0 and float(r[6]) > 0 for r in speed)
     assert "decode target" in sections["Speed"] or "4096" not in sections["Speed"]
+
+
+def test_cpu_line_names_the_model_and_the_kernel_flags():
+    info = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n"
+    line = bv.cpu_line(info)
+    assert line.startswith("AMD EPYC (family 26, model 2); flags: avx2 fma avx512f avx512_bf16; absent: f16c")
+    assert "amx_tile" in line.split("absent:")[1]
+    assert bv.cpu_line("").startswith("unknown CPU (family ?, model ?); flags: none of the kernel flags")

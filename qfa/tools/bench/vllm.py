@@ -69,6 +69,8 @@ KV_SPACE_GIB = 2
 #: Prefill chunk (vLLM's ``max_num_batched_tokens``): bounds the prompt-logprob logits a step
 #: holds (chunk x vocabulary floats).
 MAX_BATCHED_TOKENS = 2048
+#: Prompt tokens of the untimed generation that precedes an engine's speed runs.
+WARMUP_TOKENS = 16
 #: Room in ``max_model_len`` beyond the longest prompt plus its generated tokens.
 MODEL_LEN_MARGIN = 128
 #: vLLM's former divisors of ``calculate_kv_scales`` (``K_SCALE_CONSTANT``, ``V_SCALE_CONSTANT``).
@@ -523,6 +525,9 @@ def _timed(llm, prompts: Sequence[Sequence[int]], max_tokens: int, tag: str) -> 
 
 
 def _speed(llm, spec: dict) -> list[dict]:
+    # one short generation first: the first calls of an engine pay for allocations and first-touch
+    first = spec["runs"][0]["prompts"][0]
+    _timed(llm, [first[:WARMUP_TOKENS]], 2, "warmup")
     rows = []
     for run in spec["runs"]:
         if run["batch"] == min(r["batch"] for r in spec["runs"] if r["context"] == run["context"]):
@@ -696,7 +701,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from qfa.tools.bench.attention import code_path, cpu_description
+    from qfa.tools.bench.attention import code_path
     from qfa.tools.models import cache_dir
 
     began = time.time()
@@ -773,7 +778,7 @@ def run(args: argparse.Namespace) -> int:
         f"command: `{_command_line()}`",
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(began))}, {(time.time() - began) / 60:.1f} min "
         f"in all",
-        f"CPU: {cpu_description(cpuinfo)} ({os.cpu_count()} CPUs; {first['threads']} torch threads in each engine)",
+        f"CPU: {cpu_line(cpuinfo)}; {os.cpu_count()} CPUs, {first['threads']} torch threads in each engine",
         f"vLLM native build: {first['native_build']}; qfa: {code_path('torch')}",
         f"versions: {_versions()}",
         f"model: {args.model} as bf16 safetensors ({model}); every engine: dtype bfloat16, enforce_eager, "
@@ -815,6 +820,25 @@ def run(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text)
     print(f"raw results and engine logs: {work}", file=sys.stderr)
     return 0
+
+
+#: /proc/cpuinfo flags that decide which kernels vLLM's CPU build and qfa's native kernel can run.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
+                "avx512_vnni", "avx512vbmi", "avx512_vbmi2", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_line(cpuinfo: str) -> str:
+    """'<model name> (family F, model M); flags present: ...; absent: ...' from /proc/cpuinfo's text."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    present = [f for f in KERNEL_FLAGS if f in flags]
+    absent = [f for f in KERNEL_FLAGS if f not in flags]
+    return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')}, model "
+            f"{fields.get('model', '?')}); flags: {' '.join(present) or 'none of the kernel flags'}; absent: "
+            f"{' '.join(absent) or 'none'}")
 
 
 def _command_line() -> str:
