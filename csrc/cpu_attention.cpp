@@ -191,6 +191,26 @@ inline float max_nan(float a, float b) {
 }
 
 inline float row_max(const float* s, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // 16 lanes, the tail by a masked load; NaN tracked apart (maxps does not propagate it), the
+  // lanes reduced by a tree: the same value (only the sign of a zero maximum may differ, which
+  // no later step can see: exp(x - 0) and m + ln l are the same bits for either zero).
+  __m512 acc = _mm512_set1_ps(kNegInf);
+  __mmask16 nan = 0;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(s + j);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(acc, x);
+  }
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), m, s + j);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(acc, x);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(acc);
+#else
   int64_t j = 0;
   float mx = kNegInf;
   if (n >= Vec::size()) {
@@ -202,6 +222,7 @@ inline float row_max(const float* s, int64_t n) {
   }
   for (; j < n; ++j) mx = max_nan(mx, s[j]);
   return mx;
+#endif
 }
 
 // exp over a contiguous array with the vectorised exp inductor uses (Sleef u10), tail included.
@@ -483,6 +504,8 @@ inline at::Tensor wrap(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
+constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
+
 // Decode keys [j0, j1) of kv head h of batch b into dst (rows x dim), fp32 or bf16 (T);
 // returns whether every value is finite.
 template <typename T>
@@ -491,8 +514,19 @@ inline bool decode_rows(const Decoder& dc, int64_t dim, const KvSrc& src, int64_
   bool finite = true;
   for (int64_t j = j0; j < j1;) {
     const uint8_t* p = src.row(b, h, start, j);
-    const int64_t end = std::min(j1, j + 1 + std::min<int64_t>(src.run_after(j), j1));
+    // Keys [j, run_end) lie at a constant stride (the rest of a page, if paged), up to kAhead past j1.
+    const int64_t run_end = j + 1 + std::min<int64_t>(src.run_after(j), j1 + kAhead - j - 1);
+    const int64_t end = std::min(j1, run_end);
     for (; j < end; ++j, p += src.st[2]) {
+#ifdef QFA_SIMD
+      // The codes kAhead keys on, in this run of keys (past j1 too: the caller's next group;
+      // a prefetch never faults): decode streams them from memory, a key's codes are one or two
+      // cache lines and the work per key is short.
+      if (j + kAhead < run_end && src.st[3] == 1) {
+        const char* ahead = reinterpret_cast<const char*>(p + kAhead * src.st[2]);
+        for (int64_t x = 0; x < dim; x += 64) _mm_prefetch(ahead + x, _MM_HINT_T0);
+      }
+#endif
       if constexpr (std::is_same<T, float>::value) {
         finite = dc.decode(p, src.st[3], dst + (j - j0) * dim, dim) && finite;
       } else {
@@ -873,6 +907,21 @@ inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
   }
 }
 
+// P's HiF8 rounding of n values in place, zeros from n to n_pad (a multiple of 2), and the
+// rounded row as bf16 into dst: one pass for round_row, the zero fill and to_bf16.
+inline void round_to_bf16(float* p, int64_t n, int64_t n_pad, const RoundConsts& c, uint16_t* dst) {
+  const RoundVec16 rv(c);
+  int32_t* b = reinterpret_cast<int32_t*>(p);
+  for (int64_t j = 0; j < n_pad; j += 16) {
+    const int64_t left = std::min<int64_t>(16, n - j);
+    const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
+    const __m512i r = _mm512_maskz_mov_epi32(live, rv(_mm512_maskz_loadu_epi32(live, b + j)));
+    _mm512_mask_storeu_epi32(b + j, out, r);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
+  }
+}
+
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
 inline __m512bh pair_of(const uint16_t* p) {  // the bf16 pair at p, in every lane
@@ -1059,8 +1108,16 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
   const int64_t BN = c.block_n;
   std::memset(pv, 0, sizeof(float) * (R - lo) * D);
   float* buf = sc.v.get();
+  // Each row's visible keys, once per block (visible() divides by the group).
+  int64_t vis_small[kFusedRows];
+  std::vector<int64_t> vis_big;
+  if (R - lo > kFusedRows) vis_big.resize(R - lo);
+  int64_t* vis = R - lo > kFusedRows ? vis_big.data() : vis_small;
   int64_t vis_max = 0;
-  for (int64_t r = lo; r < R; ++r) vis_max = std::max(vis_max, visible(c, it, r, j0, nk));
+  for (int64_t r = lo; r < R; ++r) {
+    vis[r - lo] = visible(c, it, r, j0, nk);
+    vis_max = std::max(vis_max, vis[r - lo]);
+  }
   for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
     const int64_t n = std::min(kGroup, vis_max - g0);
     const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf);
@@ -1069,8 +1126,8 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
     int64_t r = lo;
     for (; r < R; r += 2) {
       const bool pair = r + 1 < R;
-      const int64_t n0 = std::max<int64_t>(0, std::min(n, visible(c, it, r, j0, nk) - g0));
-      const int64_t n1 = pair ? std::max<int64_t>(0, std::min(n, visible(c, it, r + 1, j0, nk) - g0)) : 0;
+      const int64_t n0 = std::max<int64_t>(0, std::min(n, vis[r - lo] - g0));
+      const int64_t n1 = pair ? std::max<int64_t>(0, std::min(n, vis[r + 1 - lo] - g0)) : 0;
       const int64_t both = std::min(n0, n1);
       const float* p0 = p + (r - lo) * BN + g0;
       const float* p1 = p0 + BN;
@@ -1201,14 +1258,15 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
         (Vec::loadu(s + j, nv - j) * vd - vm).exp().store(s + j, nv - j);
         for (; j < nv; ++j) sum += s[j];
       }
-      round_row(s, nv, c.rc);
-      for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
 #ifdef QFA_BF16_DOT
       if (bf16_block) {
-        if (ncp > nc) s[nc] = 0.f;
-        to_bf16(s, ncp, sc.half(sc.pb) + (r - lo) * BN);
-      }
+        round_to_bf16(s, nv, ncp, c.rc, sc.half(sc.pb) + (r - lo) * BN);
+      } else
 #endif
+      {
+        round_row(s, nv, c.rc);
+        for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
+      }
       alpha[r] = m[r] - m_safe;
       rsum[r] = sum;
       m[r] = m_new;
