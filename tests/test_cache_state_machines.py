@@ -496,8 +496,8 @@ class HiF8CacheMachine(RuleBasedStateMachine):
         b, n = m["geom"] if m is not None and m["geom"] is not None else (self.batch, NKV)
         if bad == "batch":
             b += 1
-        if bad == "heads":
-            n += 1
+        if bad == "heads":  # 2 <-> 1: other kv heads, still dividing the NQ query heads
+            n = 3 - n
         k = values((b, n, s, D), seed, kind, dtype)
         v = values((b, n, s + (bad == "v_len"), D), seed + 1, "normal", dtype)
         if bad == "dim":
