@@ -1,0 +1,83 @@
+"""``qfa bench dropin`` and ``qfa bench cast``: their tables and verdicts from a fake clock (the
+real calls run once each, nothing is timed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from qfa.attention import cpu_prepare
+from qfa.tools.bench import cast as bench_cast
+from qfa.tools.bench import dropin as bench_dropin
+
+pytestmark = pytest.mark.skipif(not cpu_prepare.available(), reason="the native CPU preparation is not built")
+
+
+def _args(module, argv):
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_dropin_rows_and_verdicts(monkeypatch, capsys):
+    """Per row: qfa / SDPA, the preparation's share, and under --load both busy / quiet ratios;
+    the verdicts count rows from TARGET_MIN_SEQ up."""
+    quiet = {128: {"qfa": 0.010, "sdpa": 0.008, "prep": 0.004},  # below the targets' S: not counted
+             1024: {"qfa": 0.020, "sdpa": 0.025, "prep": 0.002}}
+    busy = {128: {"qfa": 0.02, "sdpa": 0.01}, 1024: {"qfa": 0.030, "sdpa": 0.050}}
+    seen = []
+
+    def fake_medians(fns):
+        seq = seen[-1]
+        for fn in fns.values():  # each call really runs once
+            fn()
+        return (busy if set(fns) == {"qfa", "sdpa"} else quiet)[seq]
+
+    real_inputs = bench_dropin.inputs
+    monkeypatch.setattr(bench_dropin, "inputs", lambda dtype, seq, heads: (seen.append(seq), real_inputs(dtype, seq, heads))[1])
+    monkeypatch.setattr(bench_dropin, "_medians", fake_medians)
+
+    class Loop:
+        def terminate(self):
+            pass
+
+        def wait(self):
+            pass
+
+    from qfa.tools.bench import attention as bench_attention
+
+    monkeypatch.setattr(bench_attention, "busy_loop", lambda seconds: Loop())
+    monkeypatch.setattr(bench_dropin.time, "sleep", lambda s: None)
+    args = _args(bench_dropin, ["--seqs", "128,1024", "--dtypes", "bf16", "--heads", "2:1", "--load", "--no-first-call"])
+    assert bench_dropin.run(args) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 | 1024 | 20.0 | 25.0 | 0.80x | 2.00 | 10.0% | 30.0 | 1.50x | 50.0 | 2.00x |" in out
+    assert "| bf16 | 128 | 10.0 | 8.0 | 1.25x | 4.00 | 40.0% |" in out
+    assert "speed target (qfa <= 1.0x SDPA from S = 1024): 1/1 rows met" in out
+    assert "preparation target (<= 15% of the call from S = 1024): 1/1 rows met" in out
+    assert "load target (qfa busy / quiet <= SDPA busy / quiet from S = 1024): 1/1 rows met" in out
+
+
+def test_bench_dropin_first_call_compiles_nothing():
+    first = bench_dropin.first_call()
+    assert first["compiled"] == [] and first["first"] > 0 and first["second"] > 0
+
+
+def test_bench_cast_names_the_path_and_counts_sizes_from_1m(monkeypatch, capsys):
+    def fake_medians(fns, **kwargs):
+        for fn in fns.values():
+            fn()
+        # encode twice as fast as the fp8 cast: 2.0x everywhere
+        return {name: (1.0 if name.startswith("encode") else 2.0) for name in fns}
+
+    monkeypatch.setattr(bench_cast, "interleaved_medians", fake_medians)
+    args = _args(bench_cast, ["--sizes", "4K,1M", "--levels"])
+    assert bench_cast.run(args) == 0
+    out = capsys.readouterr().out
+    level = cpu_prepare.ISA_NAMES[cpu_prepare.isa_level()]
+    assert f"encode: native encoder, {level}" in out
+    assert "encode torch path ratio" in out
+    assert "encode target (>= 1.5x the fp8 cast from 1M elements): 1/1 sizes met" in out
+    assert torch.get_num_threads() >= 1
