@@ -60,11 +60,6 @@ def test_bench_dropin_rows_and_verdicts(monkeypatch, capsys):
     assert "load target (qfa busy / quiet <= SDPA busy / quiet from S = 1024): 1/1 rows met" in out
 
 
-def test_bench_dropin_first_call_compiles_nothing():
-    first = bench_dropin.first_call()
-    assert first["compiled"] == [] and first["first"] > 0 and first["second"] > 0
-
-
 def test_bench_cast_names_the_path_and_counts_sizes_from_1m(monkeypatch, capsys):
     def fake_medians(fns, **kwargs):
         for fn in fns.values():
