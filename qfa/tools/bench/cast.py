@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: {','.join(human_count(n) for n in DEFAULT_SIZES)})")
     parser.add_argument("--backend", default=None, help="torch or triton (default: by device)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's thread count for every operation (default: torch's own)")
     parser.add_argument("--levels", action="store_true",
                         help="CPU: also the encode of every lower native SIMD level and of the torch path")
 
@@ -138,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
 
     from qfa.tools.bench.attention import cpu_description
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     extra: list[str] = []
     met = []
     for n in tqdm(args.sizes, desc="bench cast", unit="size", leave=False):

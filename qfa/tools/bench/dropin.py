@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=_heads, default=HEADS, help="q and kv heads as Nq:Nkv (default: 12:2)")
     parser.add_argument("--load", action="store_true",
                         help="also time each row with one core kept busy by another process")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's thread count for the drop-in and SDPA alike (default: torch's own)")
     parser.add_argument("--no-first-call", dest="first_call", action="store_false",
                         help="skip the fresh-process first-call line")
 
@@ -155,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
     if not cpu_prepare.available():
         print("the native CPU preparation is not available (see qfa.attention.cpu_prepare): nothing to measure")
         return 1
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     cpu = cpu_description(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
     rows, speed_ok, prep_ok, load_ok = [], [], [], []
     headers = ["dtype", "S", "qfa ms", "SDPA ms", "qfa / SDPA", "prep ms", "prep share"]
