@@ -36,7 +36,7 @@
 #include <immintrin.h>
 #define QFA_X86 1
 #define T_AVX2 __attribute__((target("avx2,f16c,popcnt")))
-#define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c,popcnt")))
+#define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,popcnt")))
 #endif
 
 namespace {
@@ -615,18 +615,23 @@ T_AVX512 inline int sat_count_512(__m512 q) {
 }
 
 T_AVX512 inline void fwht_512(__m512* r, float c) {
-  const __mmask16 k1 = 0xAAAA, k2 = 0xCCCC, k4 = 0xF0F0, k8 = 0xFF00;
-  // y = self + partner; the lane with bit h set: partner - self (= x[i] - x[i+h])
+  // In-register levels: y = x * s + partner with s = -1 in the lanes whose bit h is set, +1 in
+  // the others: one rounding of partner - self (= x[i] - x[i+h]) or of self + partner, the
+  // butterfly's own operations (a multiply by +-1 is exact), in one instruction.
+  const __m512 s1 = _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_set1_epi32(0x3F800000), 0xAAAA,
+                                                              _mm512_set1_epi32((int)0xBF800000)));
+  const __m512 s2 = _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_set1_epi32(0x3F800000), 0xCCCC,
+                                                              _mm512_set1_epi32((int)0xBF800000)));
+  const __m512 s4 = _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_set1_epi32(0x3F800000), 0xF0F0,
+                                                              _mm512_set1_epi32((int)0xBF800000)));
+  const __m512 s8 = _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_set1_epi32(0x3F800000), 0xFF00,
+                                                              _mm512_set1_epi32((int)0xBF800000)));
   for (int j = 0; j < 8; ++j) {
-    __m512 x = r[j], p;
-    p = _mm512_permute_ps(x, 0xB1);
-    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k1, p, x);
-    p = _mm512_permute_ps(x, 0x4E);
-    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k2, p, x);
-    p = _mm512_shuffle_f32x4(x, x, 0xB1);
-    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k4, p, x);
-    p = _mm512_shuffle_f32x4(x, x, 0x4E);
-    x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), k8, p, x);
+    __m512 x = r[j];
+    x = _mm512_fmadd_ps(x, s1, _mm512_permute_ps(x, 0xB1));
+    x = _mm512_fmadd_ps(x, s2, _mm512_permute_ps(x, 0x4E));
+    x = _mm512_fmadd_ps(x, s4, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_fmadd_ps(x, s8, _mm512_shuffle_f32x4(x, x, 0x4E));
     r[j] = x;
   }
   for (int step = 1; step < 8; step <<= 1)
