@@ -140,7 +140,7 @@ def plan_metadata(
     for value, name in ((num_heads_q, "num_heads_q"), (num_heads_kv, "num_heads_kv"), (head_dim, "head_dim")):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    check_heads(num_heads_q, num_heads_kv)
+    check_heads(num_heads_q, num_heads_kv, ("num_heads_q", "num_heads_kv"))
     mode_name = "the HiF8 mode" if quant_mode == QuantMode.HIF8_PER_TENSOR else f"quant_mode {int(quant_mode)}"
     dims = HEAD_DIMS[quant_mode]
     if head_dim not in dims:

@@ -235,14 +235,20 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def check_heads(nq: int, nkv: int) -> None:
-    for n, name in ((nq, "q"), (nkv, "k/v")):
+def check_heads(nq: int, nkv: int, names: tuple[str, str] | None = None) -> None:
+    """GQA head counts. ``names``: the caller's arguments holding them (None: the tensors' head
+    dimensions, q's and k/v's)."""
+    q_name, kv_name = names or ("head count of q", "head count of k/v")
+    for n, name in ((nq, q_name), (nkv, kv_name)):
         if not 1 <= n <= MAX_HEADS:
-            raise ValueError(f"head count of {name} must be in [1, {MAX_HEADS}], got {n}")
+            raise ValueError(f"{name} must be in [1, {MAX_HEADS}], got {n}")
     if nq < nkv or nq % nkv:
-        raise ValueError(f"q heads must be a multiple of k/v heads (GQA), got Nq={nq}, Nkv={nkv}")
+        if names is None:
+            raise ValueError(f"q heads must be a multiple of k/v heads (GQA), got Nq={nq}, Nkv={nkv}")
+        raise ValueError(f"{q_name} must be a multiple of {kv_name} (GQA), got {q_name}={nq}, {kv_name}={nkv}")
     if nq // nkv > MAX_GROUP:
-        raise ValueError(f"GQA group Nq/Nkv must be <= {MAX_GROUP}, got {nq // nkv}")
+        group = "Nq/Nkv" if names is None else f"{q_name} / {kv_name}"
+        raise ValueError(f"GQA group {group} must be <= {MAX_GROUP}, got {nq // nkv}")
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
