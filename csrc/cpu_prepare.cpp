@@ -15,22 +15,28 @@
 // machines this project meets run torch's fp8 cast no faster than this one, measured here with
 // ATEN_CPU_CAPABILITY=avx2: 0.56 ms).
 //
-// The prepare passes run on the calling thread alone. They are memory-bound sweeps that cost a
-// few percent of the attention they feed; a parallel region for them would wait, on a loaded
-// machine, for a descheduled thread each time (the pattern the drop-in had: many small parallel
-// passes). Only the plain cast of a large tensor (encode_flat / quantize_flat) is parallel.
+// The prepare passes split their rows into fixed chunks (run_chunks): on the calling thread for a
+// few rows, else on torch's OpenMP team, each thread taking the next chunk; every chunk's result
+// is the same whoever runs it, and partial statistics are combined in chunk order, so the bits
+// never depend on the thread count. An OpenMP region's closing barrier waits for every thread,
+// and on a loaded machine a thread can arrive a scheduler slice late (the pattern the drop-in
+// had: many small parallel passes, 10x slower under load); so a region whose other thread came
+// late sends the passes of the next 500 ms to the calling thread alone.
 
 // A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header:
 // the first build takes about a second. The Python side (qfa/attention/cpu_prepare.py) checks the
 // tensors and passes their data pointers.
+#include <omp.h>
 #include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -880,7 +886,87 @@ void mean_of(const char* x, int dt, int64_t rows, int64_t stride_bytes, float* m
   for (int i = 0; i < kD; ++i) mu[i] = rows ? (float)(acc[i] / (double)rows) : 0.0f;
 }
 
-// ---- entry points ----------------------------------------------------------------------------------
+// ---- threads ---------------------------------------------------------------------------------------
+
+// libgomp's thread team does not survive fork: a child's first parallel region would wait
+// forever for the parent's threads. A forked process (and its descendants) runs everything on
+// its calling thread.
+std::atomic<bool> g_forked{false};
+
+void mark_forked() { g_forked.store(true); }
+
+const int kAtfork = pthread_atfork(nullptr, nullptr, mark_forked);
+
+// The plain cast's team: at most one thread per chunk, the calling thread alone in a forked child.
+int team_size(int64_t threads, int64_t chunks) {
+  return g_forked.load() ? 1 : (int)std::min(threads, chunks);
+}
+
+// Rows per chunk of a pass (8K values: tens of microseconds), and the fewest rows a pass opens a
+// region for (a decode step's few rows run on the calling thread).
+constexpr int64_t kChunkRows = 64;
+constexpr int64_t kParallelRows = 512;
+// A region whose other thread arrived this late sends the next kSerialMs of passes to the calling
+// thread alone.
+constexpr int64_t kLateUs = 300;
+constexpr int64_t kSerialMs = 500;
+std::atomic<int64_t> serial_until{0};
+// 0: as above; 1: always the calling thread; 2: always the team when a pass is large enough
+// (the tests pin both, to check that they give the same bits).
+std::atomic<int> team_mode{0};
+
+inline int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// fn(i) for every chunk i in [0, n): in order on the calling thread, or on `threads` of torch's
+// OpenMP team, each taking the next chunk. `rows`: the pass's size.
+template <typename F>
+void run_chunks(int64_t n, int64_t rows, int64_t threads, const F& fn) {
+  const int mode = team_mode.load();
+  if (threads <= 1 || n < 2 || rows < kParallelRows || g_forked.load() || mode == 1 ||
+      (mode == 0 && now_us() < serial_until.load())) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0}, late{0};
+  const int64_t t0 = now_us();
+#pragma omp parallel num_threads((int)std::min(threads, n))
+  {
+    if (omp_get_thread_num() > 0) {
+      const int64_t us = now_us() - t0;
+      for (int64_t cur = late.load(); us > cur && !late.compare_exchange_weak(cur, us);) {}
+    }
+    for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i);
+  }
+  if (late.load() > kLateUs) serial_until.store(now_us() + kSerialMs * 1000);
+}
+
+// A pass's chunks: (segment, head, first row, rows).
+struct Chunk {
+  int64_t g, h, s0, rows;
+};
+
+// The rows of each (segment, head) slab, `valid` (the statistics) or all (the encode), in chunks
+// of kChunkRows, or one chunk per slab (`whole`: the K means need the slab's rows together).
+std::vector<Chunk> chunks_of(const Plan& p, bool valid, bool whole) {
+  std::vector<Chunk> out;
+  for (int64_t g = 0; g < p.nseg(); ++g) {
+    int64_t rows = p.segs[4 * g + (valid ? 2 : 3)];
+    for (int64_t h = 0; h < p.heads; ++h) {
+      if (whole) { out.push_back({g, h, 0, rows}); continue; }
+      for (int64_t s0 = 0; s0 < rows; s0 += kChunkRows) out.push_back({g, h, s0, std::min(kChunkRows, rows - s0)});
+    }
+  }
+  return out;
+}
+
+int64_t total_rows(const std::vector<Chunk>& cs) {
+  int64_t n = 0;
+  for (const Chunk& c : cs) n += c.rows;
+  return n;
+}
 
 }  // namespace
 
@@ -896,30 +982,34 @@ void qfa_set_constants(const int64_t* c) {
 
 int64_t qfa_isa_level() { return kDetected; }
 
+void qfa_set_team(int64_t mode) { team_mode.store((int)mode); }
+
 // Pass 1 of a tensor: the statistics of y = H (x - mu) (each part optional) over the valid rows:
-// [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else 0.0]. ``mean``
-// (fp32 (segments, N, 128), null: none) is subtracted; with ``compute_mean`` it is written first,
-// the K means per (segment, head) slab, and the slab is then read a second time from cache.
+// [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else 0.0]; the sum is
+// the chunks' partial sums added in chunk order. ``mean`` (fp32 (segments, N, 128), null: none)
+// is subtracted; with ``compute_mean`` it is written first, the K means per (segment, head)
+// slab, and the slab is then read a second time from cache.
 int64_t qfa_prep_stats(const void* x, int64_t dt, const int64_t* strides, const int64_t* segs, int64_t nseg,
-                       int64_t heads, int64_t rotate, double c, float* mean, int64_t compute_mean, int64_t isa,
-                       double* result) {
+                       int64_t heads, int64_t rotate, double c, float* mean, int64_t compute_mean, int64_t threads,
+                       int64_t isa, double* result) {
   int level = pick(isa);
   if (level < 0) return -1;
   Plan p = make_plan(strides, segs, nseg, heads);
   const char* base = static_cast<const char*>(x);
-  float* mu = mean;
   int d = (int)dt;
+  std::vector<Chunk> cs = chunks_of(p, true, compute_mean != 0);
+  std::vector<Stats> part(cs.size());
+  run_chunks((int64_t)cs.size(), total_rows(cs), threads, [&](int64_t i) {
+    const Chunk& k = cs[i];
+    const char* row0 = base + p.offset(k.g, k.h, k.s0) * esize(d);
+    float* m = mean ? mean + (k.g * heads + k.h) * kD : nullptr;
+    if (m && compute_mean) mean_of(row0, d, k.rows, p.sS * esize(d), m);
+    if (k.rows) stats_rows(level, RowIn{row0, d, m, rotate != 0, (float)c}, k.rows, p.sS, part[i]);
+  });
   Stats st;
-  {
-    for (int64_t g = 0; g < p.nseg(); ++g) {
-      int64_t valid = p.segs[4 * g + 2];
-      for (int64_t h = 0; h < heads; ++h) {
-        const char* row0 = base + p.offset(g, h, 0) * esize(d);
-        float* m = mu ? mu + (g * heads + h) * kD : nullptr;
-        if (m && compute_mean) mean_of(row0, d, valid, p.sS * esize(d), m);
-        if (valid) stats_rows(level, RowIn{row0, d, m, rotate != 0, (float)c}, valid, p.sS, st);
-      }
-    }
+  for (const Stats& q : part) {
+    st.sumsq += q.sumsq;
+    st.max_bits = std::max(st.max_bits, q.max_bits);
   }
   bool nonfinite = st.max_bits >= 0x7F800000u;
   result[0] = st.sumsq;
@@ -930,13 +1020,15 @@ int64_t qfa_prep_stats(const void* x, int64_t dt, const int64_t* strides, const 
 
 // The K means alone (segments, N, 128): for a K whose scale is given.
 int64_t qfa_key_means(const void* x, int64_t dt, const int64_t* strides, const int64_t* segs, int64_t nseg, int64_t heads,
-                      float* mu) {
+                      float* mu, int64_t threads) {
   Plan p = make_plan(strides, segs, nseg, heads);
   const char* base = static_cast<const char*>(x);
   int d = (int)dt;
-  for (int64_t g = 0; g < p.nseg(); ++g)
-    for (int64_t h = 0; h < heads; ++h)
-      mean_of(base + p.offset(g, h, 0) * esize(d), d, p.segs[4 * g + 2], p.sS * esize(d), mu + (g * heads + h) * kD);
+  std::vector<Chunk> cs = chunks_of(p, true, true);
+  run_chunks((int64_t)cs.size(), total_rows(cs), threads, [&](int64_t i) {
+    const Chunk& k = cs[i];
+    mean_of(base + p.offset(k.g, k.h, 0) * esize(d), d, k.rows, p.sS * esize(d), mu + (k.g * heads + k.h) * kD);
+  });
   return 0;
 }
 
@@ -945,50 +1037,41 @@ int64_t qfa_key_means(const void* x, int64_t dt, const int64_t* strides, const i
 // finite values reached the overflow threshold (saturated to +-MAX).
 int64_t qfa_prep_encode(const void* x, int64_t dt, const int64_t* strides, uint8_t* out, const int64_t* out_strides,
                         const int64_t* segs, int64_t nseg, int64_t heads, int64_t rotate, double c, const float* mu,
-                        double scale, int64_t isa) {
+                        double scale, int64_t threads, int64_t isa) {
   int level = pick(isa);
   if (level < 0) return -1;
   Plan p = make_plan(strides, segs, nseg, heads), o = make_plan(out_strides, segs, nseg, heads);
   const char* base = static_cast<const char*>(x);
-  uint8_t* obase = out;
   int d = (int)dt;
-  int64_t sat = 0;
   Divisor dv = divisor_of((float)scale);
-  for (int64_t g = 0; g < p.nseg(); ++g) {
-    int64_t all = p.segs[4 * g + 3];
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* m = mu ? mu + (g * heads + h) * kD : nullptr;
-      RowIn in{base + p.offset(g, h, 0) * esize(d), d, m, rotate != 0, (float)c};
-      encode_rows(level, in, all, p.sS, obase + o.offset(g, h, 0), o.sS, dv, sat);
-    }
-  }
-  return sat;
+  std::vector<Chunk> cs = chunks_of(p, false, false);
+  std::vector<int64_t> sat(cs.size(), 0);
+  run_chunks((int64_t)cs.size(), total_rows(cs), threads, [&](int64_t i) {
+    const Chunk& k = cs[i];
+    const float* m = mu ? mu + (k.g * heads + k.h) * kD : nullptr;
+    RowIn in{base + p.offset(k.g, k.h, k.s0) * esize(d), d, m, rotate != 0, (float)c};
+    encode_rows(level, in, k.rows, p.sS, out + o.offset(k.g, k.h, k.s0), o.sS, dv, sat[i]);
+  });
+  int64_t total = 0;
+  for (int64_t v : sat) total += v;
+  return total;
 }
 
 // H x per row of 128 (``rows`` contiguous rows of x and of out), converted to out's dtype
-// (finite values beyond a narrower dtype's range saturate). On the calling thread.
-int64_t qfa_rotate_rows(const void* x, int64_t dt, void* out, int64_t odt, int64_t rows, double c, int64_t isa) {
+// (finite values beyond a narrower dtype's range saturate).
+int64_t qfa_rotate_rows(const void* x, int64_t dt, void* out, int64_t odt, int64_t rows, double c, int64_t threads,
+                        int64_t isa) {
   int level = pick(isa);
   if (level < 0) return -1;
   const char* xb = static_cast<const char*>(x);
   char* ob = static_cast<char*>(out);
   int d = (int)dt, od = (int)odt;
-  for (int64_t s = 0; s < rows; ++s)
-    rotate_row(level, RowIn{xb + s * kD * esize(d), d, nullptr, true, (float)c}, ob + s * kD * esize(od), od);
+  int64_t n = (rows + kChunkRows - 1) / kChunkRows;
+  run_chunks(n, rows, threads, [&](int64_t i) {
+    for (int64_t s = i * kChunkRows; s < std::min(rows, (i + 1) * kChunkRows); ++s)
+      rotate_row(level, RowIn{xb + s * kD * esize(d), d, nullptr, true, (float)c}, ob + s * kD * esize(od), od);
+  });
   return 0;
-}
-
-// libgomp's thread team does not survive fork: a child's first parallel region would wait
-// forever for the parent's threads. A forked process (and its descendants) runs the cast on
-// its calling thread.
-std::atomic<bool> g_forked{false};
-
-void mark_forked() { g_forked.store(true); }
-
-const int kAtfork = pthread_atfork(nullptr, nullptr, mark_forked);
-
-int team_size(int64_t threads, int64_t chunks) {
-  return g_forked.load() ? 1 : (int)std::min(threads, chunks);
 }
 
 // Spans of the plain cast: one thread's share is at least this many elements (a few hundred

@@ -271,6 +271,36 @@ def test_every_level_gives_the_drop_ins_bits(level, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_no_bit_depends_on_the_thread_count_or_the_team(threads, monkeypatch):
+    """Fixed chunks, partial sums added in chunk order: the calling thread alone and the OpenMP
+    team give the same statistics (the float64 sum itself, not just the scale), codes and
+    output, on any thread count."""
+    c = _call("BSND", torch.bfloat16, padded=True, seed=8)
+    big = randn(4, 700, D, seed=9, dtype=torch.bfloat16).transpose(0, 1)  # (T, N, D), strided; past the
+    strides, heads = prepare.row_strides(big, "TND")                       # passes' parallel threshold
+    segs = [0, 0, 700, 700]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        torch.set_num_threads(threads)
+        for team in ("caller", "openmp"):
+            cpu_prepare.set_team(team)
+            mu = torch.empty(1, heads, D)
+            stats = cpu_prepare.stats(big, strides, segs, heads, True, rotation.normalisation(D), mean=mu,
+                                      compute_mean=True)
+            codes = prepare.encode_rows(big, "TND", segs, rotate=True, scale=None, reduction=cal.RMS_REDUCTION)[0]
+            results.append((stats, mu, codes, prepare.quantized_inputs(c, dropin_eager.static_scale),
+                            prepare.restore_output(big.contiguous(), torch.float16)))
+    finally:
+        cpu_prepare.set_team("automatic")
+        torch.set_num_threads(before)
+    (s0, m0, c0, d0, r0), (s1, m1, c1, d1, r1) = results
+    assert s0 == s1 and torch.equal(m0, m1) and torch.equal(c0, c1) and torch.equal(bits(r0), bits(r1))
+    for a, b in zip(d0[0] + d0[1] + [d0[2]], d1[0] + d1[1] + [d1[2]]):
+        assert torch.equal(a, b)
+
+
 def test_pass_one_statistics_are_the_rules_statistics():
     """amax exactly that of the materialised tensor; the float64 sum of squares within float64
     rounding of the exact sum (math.fsum) over the same values."""
@@ -302,6 +332,22 @@ def test_untrusted_lengths_never_reach_the_native_passes():
     assert prepare.segments(k, "TND", torch.tensor([0, 12], dtype=torch.int32), None) is None
     assert prepare.segments(k, "TND", torch.tensor([0, 6, 3], dtype=torch.int32), None) is None
     assert prepare.segments(k.view(1, 2, 10, D), "BNSD", None, torch.tensor([19], dtype=torch.int32)) == [0, 0, 10, 10]
+
+
+def test_a_row_plan_past_the_tensor_is_refused():
+    x = torch.zeros(10, 2, D)
+    strides, heads = prepare.row_strides(x, "TND")
+    with pytest.raises(ValueError, match="reaches past x's storage"):
+        cpu_prepare.stats(x, strides, [0, 0, 11, 11], heads, True, 1.0)
+    with pytest.raises(ValueError, match="reaches past x's storage"):
+        cpu_prepare.stats(x, strides, [0, 0, 10, 10], heads + 1, True, 1.0)
+    out = torch.empty(5, 2, D, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="reaches past out's storage"):
+        cpu_prepare.encode_rows(x, strides, out, prepare.row_strides(out, "TND")[0], [0, 0, 10, 10], heads, True,
+                                1.0, None, 1.0)
+    with pytest.raises(ValueError, match="mean_out must be a contiguous fp32"):
+        cpu_prepare.key_means(x, strides, [0, 0, 10, 10], heads, torch.empty(1, 1, D))
+    assert cpu_prepare.stats(x, strides, [0, 0, 10, 10], heads, True, 1.0) == (0.0, 0.0, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

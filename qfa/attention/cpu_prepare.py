@@ -23,8 +23,13 @@ package's format constants. Every level gives the same bits (the tests run each 
 has against the host table, on every pattern). The rows are read in place: any strides along batch, head and position, the last
 stride 1; nothing is copied to fp32 first.
 
-The prepare passes run on the calling thread (see the source's header); ``encode_flat`` and
-``quantize_flat`` are parallel above 2^18 elements.
+The prepare passes split their rows into fixed chunks of 64: on the calling thread below 512 rows
+(a decode step), else on torch's OpenMP team (``torch.get_num_threads()``), each thread taking the
+next chunk; partial statistics are added in chunk order, so no bit depends on the thread count.
+A region whose other thread arrived late (another process busy on its core) sends the passes of
+the next 500 ms to the calling thread alone. ``encode_flat`` and ``quantize_flat`` are parallel
+above 2^18 elements; a forked child runs everything on its calling thread (libgomp's team does
+not survive fork).
 
 Built on first use with the attention kernel's build helpers (:mod:`qfa.attention.cpu_kernel`:
 its compiler flags, the CPU-flags hash in the build name, ``QFA_NATIVE=0`` to turn native code
@@ -61,10 +66,11 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = {
     "qfa_set_constants": (None, [_P]),
     "qfa_isa_level": (_I, []),
-    "qfa_prep_stats": (_I, [_P, _I, _P, _P, _I, _I, _I, _D, _P, _I, _I, _P]),
-    "qfa_key_means": (_I, [_P, _I, _P, _P, _I, _I, _P]),
-    "qfa_prep_encode": (_I, [_P, _I, _P, _P, _P, _P, _I, _I, _I, _D, _P, _D, _I]),
-    "qfa_rotate_rows": (_I, [_P, _I, _P, _I, _I, _D, _I]),
+    "qfa_set_team": (None, [_I]),
+    "qfa_prep_stats": (_I, [_P, _I, _P, _P, _I, _I, _I, _D, _P, _I, _I, _I, _P]),
+    "qfa_key_means": (_I, [_P, _I, _P, _P, _I, _I, _P, _I]),
+    "qfa_prep_encode": (_I, [_P, _I, _P, _P, _P, _P, _I, _I, _I, _D, _P, _D, _I, _I]),
+    "qfa_rotate_rows": (_I, [_P, _I, _P, _I, _I, _D, _I, _I]),
     "qfa_encode_flat": (_I, [_P, _I, _P, _I, _I, _I, _I]),
     "qfa_quantize_flat": (_I, [_P, _I, _P, _I, _D, _I, _I]),
 }
@@ -151,6 +157,18 @@ def module() -> ctypes.CDLL:
     return _module
 
 
+#: ``set_team`` modes: the calling thread for small passes and after a late thread (the
+#: default), always the calling thread, or always the OpenMP team for passes large enough.
+TEAMS = ("automatic", "caller", "openmp")
+
+
+def set_team(mode: str) -> None:
+    """Pin how the prepare passes run (:data:`TEAMS`; for tests and benchmarks)."""
+    if mode not in TEAMS:
+        raise ValueError(f"mode must be one of {TEAMS}, got {mode!r}")
+    module().qfa_set_team(TEAMS.index(mode))
+
+
 def isa_level() -> int:
     """The SIMD level the CPU runs (an index into :data:`ISA_NAMES`)."""
     return module().qfa_isa_level()
@@ -162,6 +180,25 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _ints(values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
+
+
+def _check_rows(x: torch.Tensor, strides, segments, heads: int, name: str = "x") -> None:
+    """ValueError unless every row the plan names lies inside ``x``'s storage (the source reads
+    what it is told: a wrong plan must not read or write out of bounds)."""
+    if len(strides) != 3 or len(segments) % 4:
+        raise ValueError(f"a row plan needs 3 strides and quadruples of segments, got {len(strides)} and "
+                         f"{len(segments)} values")
+    if any(s < 0 for s in strides) or heads < 0 or any(v < 0 for v in segments):
+        raise ValueError(f"a row plan's strides, heads and segments must be >= 0, got {strides}, {heads}, {segments}")
+    if x.stride(-1) != 1 and x.numel():
+        raise ValueError(f"{name}'s rows must be contiguous (last stride 1), got strides {x.stride()}")
+    size = x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()
+    s_a, s_n, s_s = strides
+    for a, s0, valid, rows in zip(segments[0::4], segments[1::4], segments[2::4], segments[3::4]):
+        if valid > rows:
+            raise ValueError(f"a segment's valid rows {valid} exceed its rows {rows}")
+        if rows and heads and a * s_a + (heads - 1) * s_n + (s0 + rows - 1) * s_s + 128 > size:
+            raise ValueError(f"the row plan reaches past {name}'s storage ({size} elements)")
 
 
 def _isa(isa: int | None) -> int:
@@ -180,7 +217,7 @@ def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int | No
     out = torch.empty(x.shape, dtype=out_dtype)
     if x.numel():
         _checked(module().qfa_rotate_rows(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), DTYPE_CODES[out_dtype],
-                                          x.numel() // 128, c, _isa(isa)), "rotate_rows")
+                                          x.numel() // 128, c, torch.get_num_threads(), _isa(isa)), "rotate_rows")
     return out
 
 
@@ -212,10 +249,15 @@ def stats(x: torch.Tensor, strides, segments, heads: int, rotate: bool, c: float
     seen as (A, N, S, 128) with element ``strides`` (sA, sN, sS): ``(sum of squares, amax,
     nonfinite)`` of ``H (x - mu)``, ``mu`` from ``mean`` (contiguous fp32 (segments, N, 128)) or
     none; with ``compute_mean`` the K means are written into ``mean`` first."""
+    _check_rows(x, strides, segments, heads)
+    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous()
+                             or mean.numel() != len(segments) // 4 * heads * 128):
+        raise ValueError("mean must be a contiguous fp32 (segments, heads, 128) tensor")
     result = (ctypes.c_double * 3)()
     _checked(module().qfa_prep_stats(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments),
                                      len(segments) // 4, heads, int(rotate), c,
-                                     None if mean is None else mean.data_ptr(), int(compute_mean), _isa(isa), result),
+                                     None if mean is None else mean.data_ptr(), int(compute_mean),
+                                     torch.get_num_threads(), _isa(isa), result),
              "stats")
     return result[0], result[1], result[2] != 0.0
 
@@ -224,15 +266,27 @@ def key_means(x: torch.Tensor, strides, segments, heads: int, mean_out: torch.Te
     """The K means of the valid rows per segment and head into ``mean_out`` (contiguous fp32
     (segments, N, 128)): the float64 sum over the rows in order, divided by their count, rounded
     to fp32 (0 where a segment has no valid row)."""
+    _check_rows(x, strides, segments, heads)
+    if mean_out.dtype != torch.float32 or not mean_out.is_contiguous() or \
+            mean_out.numel() != len(segments) // 4 * heads * 128:
+        raise ValueError("mean_out must be a contiguous fp32 (segments, heads, 128) tensor")
     module().qfa_key_means(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments), len(segments) // 4,
-                           heads, mean_out.data_ptr())
+                           heads, mean_out.data_ptr(), torch.get_num_threads())
 
 
 def encode_rows(x: torch.Tensor, strides, out: torch.Tensor, out_strides, segments, heads: int, rotate: bool, c: float,
                 mean: torch.Tensor | None, scale: float, isa: int | None = None) -> int:
     """Pass 2: the codes of ``H (x - mu) / scale`` for every row of ``segments`` into the uint8
     ``out`` (element strides ``out_strides``); returns the saturated count."""
+    _check_rows(x, strides, segments, heads)
+    if out.dtype != torch.uint8:
+        raise ValueError(f"out must be uint8, got {out.dtype}")
+    _check_rows(out, out_strides, segments, heads, "out")
+    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous()
+                             or mean.numel() != len(segments) // 4 * heads * 128):
+        raise ValueError("mean must be a contiguous fp32 (segments, heads, 128) tensor")
     return _checked(module().qfa_prep_encode(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), out.data_ptr(),
                                              _ints(out_strides), _ints(segments), len(segments) // 4, heads,
-                                             int(rotate), c, None if mean is None else mean.data_ptr(), scale, _isa(isa)),
+                                             int(rotate), c, None if mean is None else mean.data_ptr(), scale,
+                                             torch.get_num_threads(), _isa(isa)),
                     "encode_rows")
