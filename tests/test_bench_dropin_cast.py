@@ -26,14 +26,18 @@ def test_bench_dropin_rows_and_verdicts(monkeypatch, capsys):
     the verdicts count rows from TARGET_MIN_SEQ up."""
     quiet = {128: {"qfa": 0.010, "sdpa": 0.008, "prep": 0.004},  # below the targets' S: not counted
              1024: {"qfa": 0.020, "sdpa": 0.025, "prep": 0.002}}
-    busy = {128: {"qfa": 0.02, "sdpa": 0.01}, 1024: {"qfa": 0.030, "sdpa": 0.050}}
+    busy = {128: {"qfa": 0.02, "sdpa": 0.01, "prep": 0.004}, 1024: {"qfa": 0.030, "sdpa": 0.050, "prep": 0.003}}
     seen = []
 
     def fake_medians(fns):
         seq = seen[-1]
         for fn in fns.values():  # each call really runs once
             fn()
-        return (busy if set(fns) == {"qfa", "sdpa"} else quiet)[seq]
+        table = busy if fake_medians.calls % 2 else quiet  # each row: quiet, then (--load) busy
+        fake_medians.calls += 1
+        return table[seq]
+
+    fake_medians.calls = 0
 
     real_inputs = bench_dropin.inputs
     monkeypatch.setattr(bench_dropin, "inputs", lambda dtype, seq, heads: (seen.append(seq), real_inputs(dtype, seq, heads))[1])
@@ -53,7 +57,7 @@ def test_bench_dropin_rows_and_verdicts(monkeypatch, capsys):
     args = _args(bench_dropin, ["--seqs", "128,1024", "--dtypes", "bf16", "--heads", "2:1", "--load", "--no-first-call"])
     assert bench_dropin.run(args) == 0
     out = capsys.readouterr().out
-    assert "| bf16 | 1024 | 20.0 | 25.0 | 0.80x | 2.00 | 10.0% | 30.0 | 1.50x | 50.0 | 2.00x |" in out
+    assert "| bf16 | 1024 | 20.0 | 25.0 | 0.80x | 2.00 | 10.0% | 30.0 | 1.50x | 50.0 | 2.00x | 1.50x |" in out
     assert "| bf16 | 128 | 10.0 | 8.0 | 1.25x | 4.00 | 40.0% |" in out
     assert "speed target (qfa <= 1.0x SDPA from S = 1024): 1/1 rows met" in out
     assert "preparation target (<= 15% of the call from S = 1024): 1/1 rows met" in out

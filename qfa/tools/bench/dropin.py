@@ -7,8 +7,7 @@ turns (one call of each per round, median of rounds: a shared host's slow minute
 alike): the drop-in, ``scaled_dot_product_attention`` on the same tensors, and the drop-in's
 preparation alone (:func:`qfa.attention.prepare.quantized_inputs` plus
 :func:`~qfa.attention.prepare.restore_output`), whose share of the call is reported. ``--load``
-times the drop-in and SDPA again while a busy-loop process occupies one core, beside their quiet
-times. The first-call line runs one call in a fresh process (extensions already built) and says
+times them again while a busy-loop process occupies one core, beside their quiet times. The first-call line runs one call in a fresh process (extensions already built) and says
 whether anything was compiled by TorchInductor there.
 """
 
@@ -115,7 +114,7 @@ def measure_row(q, k, v, load: bool) -> tuple[dict[str, float], dict[str, float]
     loop = busy_loop(10 * (quiet["qfa"] + quiet["sdpa"]) * MAX_RUNS + 30)  # stops by itself
     try:
         time.sleep(0.1)
-        return quiet, _medians({name: fns[name] for name in ("qfa", "sdpa")})
+        return quiet, _medians(fns)
     finally:
         loop.terminate()
         loop.wait()
@@ -165,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     rows, speed_ok, prep_ok, load_ok = [], [], [], []
     headers = ["dtype", "S", "qfa ms", "SDPA ms", "qfa / SDPA", "prep ms", "prep share"]
     if args.load:
-        headers += ["qfa ms, 1 core busy", "qfa busy / quiet", "SDPA ms, 1 core busy", "SDPA busy / quiet"]
+        headers += ["qfa ms, 1 core busy", "qfa busy / quiet", "SDPA ms, 1 core busy", "SDPA busy / quiet",
+                    "prep busy / quiet"]
     for name in args.dtypes:
         for seq in args.seqs:
             q, k, v = inputs(DTYPES[name], seq, args.heads)
@@ -178,15 +178,16 @@ def run(args: argparse.Namespace) -> int:
                 prep_ok.append(share <= PREP_TARGET)
             if busy is not None:
                 mine, theirs = busy["qfa"] / t["qfa"], busy["sdpa"] / t["sdpa"]
-                row += [f"{busy['qfa'] * 1e3:.1f}", f"{mine:.2f}x", f"{busy['sdpa'] * 1e3:.1f}", f"{theirs:.2f}x"]
+                row += [f"{busy['qfa'] * 1e3:.1f}", f"{mine:.2f}x", f"{busy['sdpa'] * 1e3:.1f}", f"{theirs:.2f}x",
+                        f"{busy['prep'] / t['prep']:.2f}x"]
                 if seq >= TARGET_MIN_SEQ:
                     load_ok.append(mine <= theirs)
             rows.append(row)
     print(f"qfa.hif8_attention (defaults: rms, smooth_k, rotate; causal, BNSD, heads {args.heads[0]}:{args.heads[1]}) "
           f"vs SDPA in the same dtype on {cpu}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; native preparation: "
-          f"{cpu_prepare.ISA_NAMES[cpu_prepare.isa_level()]}, on the calling thread; times are medians of rounds "
-          "taking one call of each in turn")
+          f"{cpu_prepare.ISA_NAMES[cpu_prepare.isa_level()]} (torch's OpenMP team; the calling thread for small "
+          "passes and after a late thread); times are medians of rounds taking one call of each in turn")
     print(markdown_table(headers, rows))
     print(_verdict(f"speed target (qfa <= {TARGET_RATIO:.1f}x SDPA from S = {TARGET_MIN_SEQ})", speed_ok))
     print(_verdict(f"preparation target (<= {PREP_TARGET:.0%} of the call from S = {TARGET_MIN_SEQ})", prep_ok))
