@@ -1664,8 +1664,6 @@ std::vector<int64_t> by_cost(const std::vector<Item>& items) {
 }
 
 
-constexpr int64_t kKeptStoreFloats = int64_t(1) << 22;  // 16 MiB
-
 struct Partial {
   std::vector<float> m, l, prod, o;
 };
@@ -1872,19 +1870,13 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   for (const Item& ch : chunks) store_floats += (ch.t1 - ch.t0) * group * (ch.c1 - ch.c0) * block_n;
   std::vector<int64_t> store_at(chunks.size(), -1);
   float* store = nullptr;
-  Buffer fresh;
   if (!chunks.empty() && store_floats * 4 <= store_bytes) {
-    // Decode calls come one per generated token: the calling thread keeps a small store for the
-    // next call rather than mapping (and faulting in) fresh pages each time.
+    // Decode calls come one per generated token: the calling thread keeps the store (at most the
+    // budget) for the next call rather than mapping (and faulting in) fresh pages each time.
     thread_local Buffer kept;
     thread_local int64_t kept_floats = 0;
-    if (store_floats <= kKeptStoreFloats) {
-      if (store_floats > kept_floats) { kept = alloc(store_floats); kept_floats = store_floats; }
-      store = kept.get();
-    } else {
-      fresh = alloc(store_floats);
-      store = fresh.get();
-    }
+    if (store_floats > kept_floats) { kept = alloc(store_floats); kept_floats = store_floats; }
+    store = kept.get();
     int64_t at_ = 0;
     for (size_t x = 0; x < chunks.size(); ++x) {
       store_at[x] = at_;
@@ -1894,46 +1886,102 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   auto store_of = [&](const Item& it) -> float* {
     return it.slot >= 0 && store_at[it.slot] >= 0 ? store + store_at[it.slot] : nullptr;
   };
-  // One region for the call: the blocks to decode first, then pass 1 of every chunk, then the
-  // pass-2 items (whole items and chunks, costliest first), so whatever an item waits for (its
-  // decoded blocks, earlier chunks' pass 1) is already running on another thread (never an item
-  // not yet taken: no deadlock, and one thread runs them in order). Prefill tiles, decode chunks
-  // and the blocks they wait for share one counter: a mixed batch (chunked prefill beside
-  // decodes) is balanced over the threads as one piece of work. A chunk
-  // starts from the running max the sequential walk has before its first block: the max of the
-  // earlier chunks' maxima.
-  const auto order1 = by_cost(chunks);
+  // One region for the call: the blocks to decode first, then the items, each split item's
+  // chunks' pass 1 before their pass 2 (see work below), so whatever an item waits for (its
+  // decoded blocks, its own or earlier chunks' pass 1) is handed out before it and already
+  // running on another thread (never an item not yet taken: no deadlock, and one thread runs
+  // them in order). Prefill tiles, decode chunks and the blocks they wait for share one counter:
+  // a mixed batch (chunked prefill beside decodes) is balanced over the threads as one piece of
+  // work. A chunk starts from the running max the sequential walk has before its first block:
+  // the max of the earlier chunks' maxima.
   std::unique_ptr<std::atomic<int>[]> max_done(new std::atomic<int>[chunks.size() + 1]);
   for (size_t x = 0; x < chunks.size(); ++x) max_done[x].store(0, std::memory_order_relaxed);
   std::vector<Partial> parts(chunks.size());
-  std::vector<Item> all = whole;
-  all.insert(all.end(), chunks.begin(), chunks.end());
-  const auto order2 = by_cost(all);
-  const int64_t n1 = static_cast<int64_t>(chunks.size());
-  run_items(n_pre + n1 + static_cast<int64_t>(all.size()), [&](int64_t i, Scratch& sc) {
-    if (i < n_pre) {
-      predecode(i, sc);
+  // The order items are handed out in: the blocks to decode, then whole items and split items
+  // costliest first, a split item as its chunks' pass 1 then their pass 2 (its K codes, and its
+  // kept scores, are still in cache when pass 2 reads them again).
+  struct Work {
+    int kind;     // 0: decode a K/V block, 1: a chunk's pass 1, 2: a whole item, 3: a chunk's pass 2
+    int64_t idx;  // into blocks / chunks / whole / chunks
+  };
+  std::vector<Work> work;
+  work.reserve(n_pre + whole.size() + 2 * chunks.size());
+  for (int64_t i = 0; i < n_pre; ++i) work.push_back({0, i});
+  {
+    std::vector<Item> units = whole;  // (cost, and which: whole item w, or split item s as -1 - s)
+    std::vector<int64_t> which(whole.size());
+    for (size_t w = 0; w < whole.size(); ++w) which[w] = static_cast<int64_t>(w);
+    for (size_t x = 0; x < split_items.size(); ++x) {
+      units.push_back(split_items[x]);
+      which.push_back(-1 - static_cast<int64_t>(x));
+    }
+    for (int64_t u : by_cost(units)) {
+      const int64_t w = which[u];
+      if (w >= 0) {
+        work.push_back({2, w});
+        continue;
+      }
+      const size_t x = static_cast<size_t>(-1 - w);
+      const int64_t first = chunk_begin[x];
+      const int64_t last = x + 1 < split_items.size() ? chunk_begin[x + 1] : static_cast<int64_t>(chunks.size());
+      for (int64_t y = first; y < last; ++y) work.push_back({1, y});
+      for (int64_t y = first; y < last; ++y) work.push_back({3, y});
+    }
+  }
+  // Merge the chunks of split item s in chunk order: l = l * prod_k + l_k, O = O * prod_k + O_k,
+  // where prod_k is the product of chunk k's alphas (the sequential walk applies them one by
+  // one). Run inside the region by whichever thread finishes the item's last chunk (chunks_left):
+  // the order, and so every bit, is the same whatever thread that is.
+  std::vector<int64_t> split_of(chunks.size());
+  std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[split_items.size() + 1]);
+  for (size_t x = 0; x < split_items.size(); ++x) {
+    const int64_t first = chunk_begin[x];
+    const int64_t last = x + 1 < split_items.size() ? chunk_begin[x + 1] : static_cast<int64_t>(chunks.size());
+    for (int64_t y = first; y < last; ++y) split_of[y] = static_cast<int64_t>(x);
+    chunks_left[x].store(last - first, std::memory_order_relaxed);
+  }
+  auto merge = [&](size_t x) {
+    const Item& it = split_items[x];
+    const int64_t R = (it.t1 - it.t0) * group;
+    const int64_t first = chunk_begin[x];
+    const int64_t last = x + 1 < split_items.size() ? chunk_begin[x + 1] : static_cast<int64_t>(chunks.size());
+    Partial acc = parts[first];
+    for (int64_t y = first + 1; y < last; ++y) {
+      const Partial& p = parts[y];
+      for (int64_t r = 0; r < R; ++r) {
+        const float a = p.prod[r];
+        acc.l[r] = acc.l[r] * a + p.l[r];
+        for (int64_t d = 0; d < dim; ++d) acc.o[r * dim + d] = acc.o[r * dim + d] * a + p.o[r * dim + d];
+      }
+      acc.m = p.m;
+    }
+    std::vector<float> logl(R);
+    finish(c, it, acc.m.data(), acc.l.data(), acc.o.data(), logl.data());
+  };
+  run_items(static_cast<int64_t>(work.size()), [&](int64_t i, Scratch& sc) {
+    const Work wk = work[i];
+    if (wk.kind == 0) {
+      predecode(wk.idx, sc);
       return;
     }
-    i -= n_pre;
-    if (i < n1) {
-      const Item& ch = chunks[order1[i]];
+    if (wk.kind == 1) {
+      const Item& ch = chunks[wk.idx];
       // Marked on every exit, 2 if it threw: its pass 2 must not wait for it forever.
       struct Mark {
         std::atomic<int>& done;
         int value = 2;
         ~Mark() { done.store(value, std::memory_order_release); }
-      } mark{max_done[order1[i]]};
+      } mark{max_done[wk.idx]};
       const int64_t R = (ch.t1 - ch.t0) * group;
       sc.ensure(R, dim, block_n);
       load_q(c, ch, sc);
       wait_predecoded(ch);
-      cmax[order1[i]].assign(R, kNegInf);
-      chunk_max(c, ch, sc, cmax[order1[i]].data(), store_of(ch));
+      cmax[wk.idx].assign(R, kNegInf);
+      chunk_max(c, ch, sc, cmax[wk.idx].data(), store_of(ch));
       mark.value = 1;
       return;
     }
-    const Item& it = all[order2[i - n1]];
+    const Item& it = wk.kind == 2 ? whole[wk.idx] : chunks[wk.idx];
     const int64_t R = (it.t1 - it.t0) * group;
     sc.ensure(R, dim, block_n);
     load_q(c, it, sc);
@@ -1962,29 +2010,10 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
       Partial& p = parts[it.slot];
       p.m.assign(m, m + R); p.l.assign(sc.l.get(), sc.l.get() + R);
       p.prod.assign(sc.prod.get(), sc.prod.get() + R); p.o.assign(sc.o.get(), sc.o.get() + R * dim);
+      const int64_t x = split_of[it.slot];
+      if (chunks_left[x].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(static_cast<size_t>(x));
     }
   });
-
-  // Merge the chunks of each split item in chunk order: l = l * prod_k + l_k, O = O * prod_k + O_k,
-  // where prod_k is the product of chunk k's alphas (the sequential walk applies them one by one).
-  for (size_t s = 0; s < split_items.size(); ++s) {
-    const Item& it = split_items[s];
-    const int64_t R = (it.t1 - it.t0) * group;
-    const int64_t first = chunk_begin[s];
-    const int64_t last = s + 1 < split_items.size() ? chunk_begin[s + 1] : static_cast<int64_t>(chunks.size());
-    Partial acc = parts[first];
-    for (int64_t x = first + 1; x < last; ++x) {
-      const Partial& p = parts[x];
-      for (int64_t r = 0; r < R; ++r) {
-        const float a = p.prod[r];
-        acc.l[r] = acc.l[r] * a + p.l[r];
-        for (int64_t d = 0; d < dim; ++d) acc.o[r * dim + d] = acc.o[r * dim + d] * a + p.o[r * dim + d];
-      }
-      acc.m = p.m;
-    }
-    std::vector<float> logl(R);
-    finish(c, it, acc.m.data(), acc.l.data(), acc.o.data(), logl.data());
-  }
 }
 
 // The kernel's decoder on its own, for the tests: fp32 values of a 1-D uint8 tensor of codes, read

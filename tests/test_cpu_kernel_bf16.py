@@ -350,6 +350,19 @@ def test_paged_kv_block_sizes(bf16):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["gqa4-255x513-causal-bsnd-p15", "decode-B2-16x4096-causal-bsnd", "decode-1x4097",
+                                  "tnd-gqa4-causal-empty"])
+def test_every_call_is_one_parallel_region(name):
+    """Prefill's K/V decode, split decode chunks (pass 1, pass 2 and their merge) and a mixed TND
+    batch: all in the call's one region."""
+    from test_cpu_kernel import CASES
+
+    plan, args = make(**CASES[name])
+    cpu_kernel.forward(plan, *args)
+    assert cpu_kernel._module.last_regions() == 1
+
+
+@needs_kernel
 def test_block_table_is_for_paged_plans_only():
     plan, args = make(4, 1, (3,), (40,))
     out = torch.empty(args[0].shape)
