@@ -20,8 +20,8 @@
 // is the same whoever runs it, and partial statistics are combined in chunk order, so the bits
 // never depend on the thread count. An OpenMP region's closing barrier waits for every thread,
 // and on a loaded machine a thread can arrive a scheduler slice late (the pattern the drop-in
-// had: many small parallel passes, 10x slower under load); so a region whose other thread came
-// late sends the passes of the next 500 ms to the calling thread alone.
+// had: many small parallel passes, 10x slower under load); so a region whose caller waited for a
+// late thread at its end sends the passes of the next 2 s to the calling thread alone.
 
 // A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header:
 // the first build takes about a second. The Python side (qfa/attention/cpu_prepare.py) checks the
@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -909,10 +910,13 @@ int team_size(int64_t threads, int64_t chunks) {
 // region for (a decode step's few rows run on the calling thread).
 constexpr int64_t kChunkRows = 64;
 constexpr int64_t kParallelRows = 512;
-// A region whose other thread arrived this late sends the next kSerialMs of passes to the calling
-// thread alone.
-constexpr int64_t kLateUs = 300;
-constexpr int64_t kSerialMs = 500;
+// A region whose caller waited this long for the other threads at its end (one arrived late, or
+// was preempted mid-chunk: another process busy on its core), or lost this much of its own time
+// to a thread sharing its core, sends the next kSerialMs of passes to the calling thread alone. Measured on the shared 2-core host: the team took 0.7-1.0 ms for
+// the drop-in's three tensors at S = 1024 where the caller alone took 1.2-1.5 ms, but one region
+// in four waited 5-25 ms for a thread whose core another process held.
+constexpr int64_t kLateUs = 200;
+constexpr int64_t kSerialMs = 2000;
 std::atomic<int64_t> serial_until{0};
 // 0: as above; 1: always the calling thread; 2: always the team when a pass is large enough
 // (the tests pin both, to check that they give the same bits).
@@ -921,6 +925,15 @@ std::atomic<int> team_mode{0};
 inline int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// The calling thread's CPU time (us): where it falls behind the wall clock during a region, the
+// thread shared its core (both of the team's threads put on one core when another process holds
+// the other), and the team is no faster than the caller alone.
+inline int64_t thread_cpu_us() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 // fn(i) for every chunk i in [0, n): in order on the calling thread, or on `threads` of torch's
@@ -933,17 +946,17 @@ void run_chunks(int64_t n, int64_t rows, int64_t threads, const F& fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  std::atomic<int64_t> next{0}, late{0};
-  const int64_t t0 = now_us();
+  std::atomic<int64_t> next{0};
+  const int64_t wall0 = now_us(), cpu0 = thread_cpu_us();
+  int64_t wall1 = 0, cpu1 = 0;
 #pragma omp parallel num_threads((int)std::min(threads, n))
   {
-    if (omp_get_thread_num() > 0) {
-      const int64_t us = now_us() - t0;
-      for (int64_t cur = late.load(); us > cur && !late.compare_exchange_weak(cur, us);) {}
-    }
     for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i);
+    if (omp_get_thread_num() == 0) { wall1 = now_us(); cpu1 = thread_cpu_us(); }
   }
-  if (late.load() > kLateUs) serial_until.store(now_us() + kSerialMs * 1000);
+  const int64_t end = now_us();
+  // waited at the end for a late thread, or shared its core while working
+  if (end - wall1 > kLateUs || (wall1 - wall0) - (cpu1 - cpu0) > kLateUs) serial_until.store(end + kSerialMs * 1000);
 }
 
 // A pass's chunks: (segment, head, first row, rows).

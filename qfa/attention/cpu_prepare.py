@@ -26,8 +26,8 @@ stride 1; nothing is copied to fp32 first.
 The prepare passes split their rows into fixed chunks of 64: on the calling thread below 512 rows
 (a decode step), else on torch's OpenMP team (``torch.get_num_threads()``), each thread taking the
 next chunk; partial statistics are added in chunk order, so no bit depends on the thread count.
-A region whose other thread arrived late (another process busy on its core) sends the passes of
-the next 500 ms to the calling thread alone. ``encode_flat`` and ``quantize_flat`` are parallel
+A region whose caller waited for a late thread at its end (another process busy on its core)
+sends the passes of the next 2 s to the calling thread alone. ``encode_flat`` and ``quantize_flat`` are parallel
 above 2^18 elements; a forked child runs everything on its calling thread (libgomp's team does
 not survive fork).
 
