@@ -83,7 +83,7 @@ _ATTENTION_SCRIPT = textwrap.dedent(
     # bits; (dScale, ln p_scale, v_descale) as fp32; the per-batch table as int32.
     POINTERS = {"q_ptr": "*u8", "k_ptr": "*u8", "v_ptr": "*u8", "out_ptr": "*i16", "lse_ptr": "*fp32",
                 "lut_ptr": "*i16", "scalars_ptr": "*fp32", "seq_ptr": "*i32", "table_ptr": "*i32"}
-    INTEGERS = {"batch", "heads_q", "group", "n_tiles", "page", "stt"}
+    INTEGERS = {"batch", "heads_q", "group", "n_tiles", "page", "stt", "stc"}
     STRIDE = re.compile(r"s[qkvol][bhsd]")  # sqb, skh, sos, ... (batch, head, sequence, dim)
 
     def signature(kernel, constexprs):
@@ -175,7 +175,7 @@ _SCALED_ATTENTION_SCRIPT = textwrap.dedent(
         return {"q_ptr": "*u8", "k_ptr": "*u8", "v_ptr": "*u8", "qs_ptr": scale, "ks_ptr": scale, "vs_ptr": scale,
                 "out_ptr": "*i16", "lse_ptr": "*fp32", "scalars_ptr": "*fp32", "seq_ptr": "*i32",
                 "table_ptr": "*i32", "vrow_ptr": "*i32"}
-    INTEGERS = {"batch", "heads_q", "group", "n_tiles", "page", "stt"}
+    INTEGERS = {"batch", "heads_q", "group", "n_tiles", "page", "stt", "stc"}
     STRIDE = re.compile(r"s[qkvol][bhsd]|[qkv]s[a-z2]")  # sqb, ... and the descales' qsn, ks2, vsr, ...
 
     def signature(kernel, constexprs, ptrs):
