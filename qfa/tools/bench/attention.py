@@ -156,8 +156,8 @@ def peaks_line(peaks: dict[str, float]) -> str:
         return "peak: not measured (no native kernel)"
     names = {"fp32_avx2": "fp32 FMA 8 lanes", "fp32_avx512": "fp32 FMA 16 lanes", "bf16_dot": "bf16 dot (vdpbf16ps)"}
     cells = ", ".join(f"{names.get(k, k)} {v:.0f}" for k, v in peaks.items())
-    return (f"peak, measured now ({torch.get_num_threads()} threads, independent chains in registers): {cells} "
-            f"GFLOP/s")
+    return (f"peak, measured now ({torch.get_num_threads()} threads, independent chains in registers, each thread's "
+            f"FLOPs over its own CPU time): {cells} GFLOP/s")
 
 
 def peak_of(isa: Sequence[str], peaks: dict[str, float]) -> float | None:
