@@ -106,11 +106,12 @@ CHUNK_BLOCKS = 4
 #: Prefill decodes the K and V that several tiles read to fp32 once, up to this many bytes.
 PREDECODE_BYTES = 1 << 30
 #: A split keeps pass 1's scores for pass 2 (rather than computing them twice) up to this many
-#: bytes, in a buffer the calling thread keeps for its next call. A larger store costs more than
-#: computing the scores again (fresh pages faulted in, and a trip through memory): measured on
-#: the 2-core Zen 5 EPYC, one thread, Sq = 16 (12, 2): B = 1 at Skv = 65536 (50 MB) 50 ms
-#: stored vs 37 recomputed, B = 8 at 16384 (100 MB) 96 vs 73; but B = 8 at 4096 (25 MB) 15 vs 19.
-SCORE_STORE_BYTES = 1 << 25
+#: bytes, in a buffer the calling thread keeps for its next call (decode calls come one per token,
+#: alike: a fresh store's page faults cost more than computing the scores again). Measured on the
+#: 2-core Zen 5 EPYC, one thread, Sq = 16, (12, 2), kept store vs recomputed: B = 1 at Skv = 65536
+#: (50 MB) 30 vs 38 ms, B = 8 at 16384 (100 MB) 58 vs 75 (a fresh store each call: 50 and 96).
+#: The price: up to this much memory stays allocated per calling thread.
+SCORE_STORE_BYTES = 1 << 27
 
 _AVX512 = ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
            "-mavx512dq", "-mfma"]
