@@ -1678,7 +1678,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
              double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
              std::vector<int64_t> round_consts, int64_t tile_rows, int64_t split_rows, int64_t chunk_blocks, int64_t predecode_bytes,
-             int64_t store_bytes, bool fill, const at::Tensor& block_table, int64_t block_size, bool bf16) {
+             int64_t store_bytes, const at::Tensor& block_table, int64_t block_size, bool bf16, bool fill) {
   TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
   TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
   TORCH_CHECK(dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");

@@ -40,6 +40,7 @@ class BackendMachine(RuleBasedStateMachine):
         self.seqs: dict[int, dict] = {}  # id -> {"blocks": [...], "k": tensor, "v": tensor}
         self.next_id = 0
         self.seed = 0
+        self.q_first = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -135,8 +136,13 @@ class BackendMachine(RuleBasedStateMachine):
         lens = [self.seqs[i]["k"].shape[0] for i in ids]
         cu_kv = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
         qr = rotation.rotate(q)
-        o, _ = quant_flash_attn(cal.quantize(qr, state.q_scale), state.encode_keys(k)[0], state.encode_values(v)[0],
-                                state.q_scale, state.k_scale, state.v_scale, QuantMode.HIF8_PER_TENSOR,
+        q_scale = self.impl.q_scale  # static per layer: fixed by the layer's first call
+        assert q_scale is not None, "a successful call left the layer without its query scale"
+        if self.q_first is None:
+            self.q_first = q_scale.clone()
+        assert torch.equal(q_scale, self.q_first), "the static query scale moved after the first call"
+        o, _ = quant_flash_attn(cal.quantize(qr, q_scale), state.encode_keys(k)[0], state.encode_values(v)[0],
+                                q_scale, state.k_scale, state.v_scale, QuantMode.HIF8_PER_TENSOR,
                                 cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_kv=cu_kv, layout="TND",
                                 mask_mode=MaskMode.CAUSAL, softmax_scale=SCALE)
         assert torch.equal(out.view(-1, NQ, D), rotation.rotate(o))
