@@ -10,11 +10,15 @@ Optional pieces import lazily: ``qfa.integrations.transformers`` (transformers),
 backend (triton, or triton-ascend with torch_npu on Ascend).
 """
 
-from qfa.attention import (  # registers the attention ops
-    HiF8Attention, fp8_attention, hif8_attention, mxfp8_attention, quant_flash_attn)
-from qfa.cast import custom_ops as _cast_ops  # noqa: F401  (registers torch.ops.qfa.encode_hif8 / decode_hif8)
-from qfa.attention.op import quant_flash_attn_metadata
-from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
+from qfa import _moved
+
+_moved.install()  # before anything imports a moved module by its old path
+
+from qfa.attention import quant_flash_attn  # noqa: E402  (registers torch.ops.qfa.quant_flash_attn)
+from qfa.dropin import HiF8Attention, fp8_attention, hif8_attention, mxfp8_attention  # noqa: E402
+from qfa.cast import custom_ops as _cast_ops  # noqa: E402, F401  (registers torch.ops.qfa.encode_hif8 / decode_hif8)
+from qfa.attention.op import quant_flash_attn_metadata  # noqa: E402
+from qfa.cast import decode_from_hifloat8, encode_to_hifloat8  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["HiF8Attention", "decode_from_hifloat8", "encode_to_hifloat8", "fp8_attention", "hif8_attention",

@@ -1,4 +1,4 @@
-"""quant_flash_attn (HiF8 per-tensor, quant_mode 7) as ``shared/docs/quant-flash-attn.md`` states it.
+"""quant_flash_attn (HiF8 per-tensor, quant_mode 7) as ``docs/spec/quant-flash-attn.md`` states it.
 
 A slow, spec-level oracle for the tests: explicit Python loops over batch, q head, query row and
 256-key block, one online-softmax step at a time, exactly in the doc's order. Like

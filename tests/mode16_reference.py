@@ -1,5 +1,5 @@
 """quant_flash_attn quant_mode 1 (MXFP8) and quant_mode 6 (FP8 E4M3 per-token-head) as
-``shared/docs/quant-flash-attn-family.md`` states them, for one sequence.
+``docs/spec/quant-flash-attn.md`` states them, for one sequence.
 
 A slow, spec-level oracle for the tests, in the style of ``attention_reference`` (mode 0): Python
 loops over q head and query row, one online-softmax step per key block, in the doc's order. It

@@ -1,4 +1,4 @@
-"""HiFloat8 as the spec (shared/docs/hif8-format.md) states it, one value at a time.
+"""HiFloat8 as the spec (docs/spec/hif8-format.md) states it, one value at a time.
 
 This is the tests' independent oracle: it must not import qfa, so a mistake in qfa's format
 module, LUT builder or thresholds cannot hide in both sides of a comparison. It rounds by the

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 import attention_reference as ref
 import qfa
 from qfa import _compile
-from qfa.attention import cpu_kernel
+from qfa.attention.backends import cpu_kernel
 from qfa.cast import format as fmt
 from test_attention_reference import BAND_ATOL, BAND_RTOL, LSE_ATOL, LSE_RTOL, MIN_IN_BAND, OUTLIER_FLIPS
 

@@ -18,7 +18,7 @@ inputs, and leave every input, gaps included, as it was. All arguments are views
 call per kind keeps the interpreter's share of CI small); a mismatch is then traced to the
 arguments that cause it alone, which the failure names.
 
-A zero stride in paged k / v is refused, by rule (``quant-flash-attn-family.md``: paged k/v may
+A zero stride in paged k / v is refused, by rule (``docs/spec/quant-flash-attn.md``: paged k/v may
 be strided along the blocks, never with a zero stride): their blocks would alias one another.
 cu_seqlens cannot have a zero stride (their values rise from 0), so they are never expanded.
 """
@@ -38,7 +38,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import qfa  # noqa: E402
-from qfa.attention import cpu_kernel  # noqa: E402
+from qfa.attention.backends import cpu_kernel  # noqa: E402
 from qfa.cast import fp8, mxfp8  # noqa: E402
 from qfa.tiling import attention as tiling  # noqa: E402
 from qfa.tiling.attention_checks import CAUSAL_MASK_SHAPE  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import torch_path
+from qfa.attention.backends import torch_path
 from qfa.tiling import attention as tiling
 
 D = 128

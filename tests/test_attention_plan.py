@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import op, torch_path
+from qfa.attention import op
+from qfa.attention.backends import torch_path
 from qfa.kernels import attention as kernel
 from qfa.tiling import attention as tiling
 

@@ -18,7 +18,7 @@ import torch
 import attention_reference as ref
 import spec_reference as spec
 from qfa.attention import quant_flash_attn
-from qfa.attention.torch_path import round_to_hif8, to_bf16_round_half_away
+from qfa.attention.backends.torch_path import round_to_hif8, to_bf16_round_half_away
 from qfa.cast.luts import round_lut
 
 D = 128

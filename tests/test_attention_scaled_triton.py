@@ -1,5 +1,5 @@
 """The Triton kernel of quant_mode 1 (MXFP8) and 6 (FP8) (``qfa.kernels.scaled_attention``)
-against the golden torch path (``qfa.attention.scaled_torch_path``).
+against the golden torch path (``qfa.attention.backends.scaled_torch_path``).
 
 Runs under Triton's interpreter on CPU tensors (set here, as ``conftest.py`` does, before Triton
 is first imported), so shapes stay small; they still cross the 128-row query tile and the

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import cpu_kernel, torch_path
+from qfa.attention.backends import cpu_kernel, torch_path
 from qfa.cast import format as fmt
 from qfa.tiling import attention as tiling
 

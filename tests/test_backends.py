@@ -9,7 +9,8 @@ import torch
 
 import attention_reference as ref
 from qfa import backends
-from qfa.attention import quant_flash_attn, torch_path
+from qfa.attention import quant_flash_attn
+from qfa.attention.backends import torch_path
 
 D = 128
 
@@ -48,7 +49,7 @@ def test_default_call_on_cpu_runs_the_torch_backend(monkeypatch, native):
     """``backend=None`` on CPU tensors runs the torch backend, never the Triton kernel: the
     native CPU kernel where it builds, ``torch_path.forward`` otherwise (or with QFA_NATIVE=0)."""
     import qfa.kernels.attention as kernel
-    from qfa.attention import cpu_kernel
+    from qfa.attention.backends import cpu_kernel
 
     calls = []
 
@@ -72,5 +73,5 @@ def test_default_call_on_cpu_runs_the_torch_backend(monkeypatch, native):
     monkeypatch.setattr(kernel, "forward", no_kernel)
     q, k, v, qd, kd, vd = ref.random_qkv((1, 2, 40, D), (1, 1, 70, D), seed=19)
     out, _ = quant_flash_attn(q, k, v, qd, kd, vd, mask_mode=3, backend=None)
-    want = "qfa.attention.cpu_kernel" if native else "qfa.attention.torch_path"
+    want = "qfa.attention.backends.cpu_kernel" if native else "qfa.attention.backends.torch_path"
     assert calls == [want] and out.shape == (1, 2, 40, D)

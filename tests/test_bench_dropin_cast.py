@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from qfa.attention import cpu_prepare
+from qfa.attention.backends import cpu_prepare
 from qfa.tools.bench import cast as bench_cast
 from qfa.tools.bench import dropin as bench_dropin
 

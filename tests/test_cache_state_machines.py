@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import qfa
-from qfa.attention import calibration as cal
-from qfa.attention import rotation
-from qfa.attention.smoothing import lse_shift
+from qfa.dropin import calibration as cal
+from qfa.dropin import rotation
+from qfa.dropin.smoothing import lse_shift
 from qfa.cast import format as fmt
 from qfa.serving import PagedHiF8Cache
 

@@ -1,4 +1,4 @@
-"""Calibration rules (``qfa.attention.calibration``), quantize/dequantize and the scale observer,
+"""Calibration rules (``qfa.dropin.calibration``), quantize/dequantize and the scale observer,
 on small synthetic tensors. The calibration benchmark's helpers are tested in test_tools.py."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
 from qfa.cast import format as fmt
 
@@ -195,7 +195,7 @@ def test_observer_keeps_no_view_of_a_reused_input_buffer(rule):
 
 def test_module_calibration_from_a_reused_buffer_freezes_the_true_amax():
     """HiF8Attention.calibrate() fed batches copied into one reused buffer (issue 9)."""
-    from qfa.attention.dropin_module import HiF8Attention
+    from qfa.dropin.module import HiF8Attention
 
     batches = [[_llm_like(seed=3 * s + i, shape=(1, 2, 256, 128)) * (100.0 if s == 0 else 0.01) for i in range(3)]
                for s in range(8)]

@@ -3,7 +3,7 @@
 fp16 and bf16 are checked exhaustively; fp32 at every level, every rounding midpoint and their
 ulp neighbours, plus a large seeded random batch and hypothesis-drawn bit patterns. Every value
 test runs on every path: the native encoder at each SIMD level the CPU has (scalar, AVX2,
-AVX-512; the default on CPU, see qfa.attention.cpu_prepare), and the torch path (``QFA_NATIVE=0``)
+AVX-512; the default on CPU, see qfa.attention.backends.cpu_prepare), and the torch path (``QFA_NATIVE=0``)
 both TorchInductor-compiled (large tensors) and in eager torch.
 """
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import qfa
 import spec_reference as spec
 from qfa import _compile
-from qfa.attention import cpu_kernel, cpu_prepare
+from qfa.attention.backends import cpu_kernel, cpu_prepare
 from qfa.cast import torch_path
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
@@ -150,7 +150,7 @@ def with_ulp_neighbours(points, ulps: int = 3) -> np.ndarray:
 # --- the reference agrees with the spec's own statements -----------------------------------
 
 F32 = np.float32
-CHECK_VECTORS = [  # fp32 input, saturate code, inf code (hif8-format.md, "Check vectors")
+CHECK_VECTORS = [  # fp32 input, saturate code, inf code (docs/spec/hif8-format.md, "Check vectors")
     (2.0**-23, 0x01, 0x01),
     (float(np.nextafter(F32(2.0**-23), F32(0))), 0x00, 0x00),
     (1.0625, 0x09, 0x09),

@@ -12,7 +12,7 @@ import torch
 
 from attention_reference import random_qkv
 from qfa import _compile
-from qfa.attention import torch_path
+from qfa.attention.backends import torch_path
 from qfa.tiling.attention import plan_attention
 
 

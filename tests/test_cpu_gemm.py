@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import attention_reference as ref
-from qfa.attention import cpu_gemm, quant_flash_attn
+from qfa.attention import quant_flash_attn
+from qfa.attention.backends import cpu_gemm
 
 UNIT_ROUNDOFF = 2.0**-24
 

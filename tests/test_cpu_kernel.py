@@ -1,4 +1,4 @@
-"""qfa.attention.cpu_kernel: the native CPU kernel against the torch path (its golden reference),
+"""qfa.attention.backends.cpu_kernel: the native CPU kernel against the torch path (its golden reference),
 the exactness of its key split, thread-count independence, fully written outputs, fallback.
 
 Against the torch path the two differ in fp32 summation order (MKL vs oneDNN GEMMs, the row
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import attention_reference as ref
-from qfa.attention import cpu_kernel, torch_path
+from qfa.attention.backends import cpu_kernel, torch_path
 from qfa.cast import luts
 from qfa.tiling.attention import plan_attention
 from test_attention_reference import check_against_reference

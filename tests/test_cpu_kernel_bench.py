@@ -9,7 +9,7 @@ import argparse
 import pytest
 import torch
 
-from qfa.attention import cpu_kernel
+from qfa.attention.backends import cpu_kernel
 from qfa.tools.bench import attention as bench
 from test_cpu_kernel import needs_kernel
 

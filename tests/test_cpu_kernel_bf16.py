@@ -51,7 +51,7 @@ import torch
 
 import attention_reference as ref
 import qfa
-from qfa.attention import cpu_kernel, paged, torch_path
+from qfa.attention.backends import cpu_kernel, paged, torch_path
 from qfa.tiling.attention import plan_attention
 from test_attention_reference import check_against_reference
 from test_cpu_kernel import D, U, make, needs_kernel, v_max

@@ -14,7 +14,7 @@ import sysconfig
 import pytest
 import torch
 
-from qfa.attention import cpu_kernel, torch_path
+from qfa.attention.backends import cpu_kernel, torch_path
 from qfa.cast import luts
 from test_attention_reference import check_against_reference
 from test_cpu_kernel import CASES, make, needs_kernel, v_max

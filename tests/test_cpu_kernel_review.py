@@ -1,4 +1,4 @@
-"""qfa.attention.cpu_kernel: the register-tiled GEMM paths (K in 16-key panels, V in 16-dim
+"""qfa.attention.backends.cpu_kernel: the register-tiled GEMM paths (K in 16-key panels, V in 16-dim
 slices, 6-row tiles with 1..5 leftover rows) and the budgets around them, at their edges.
 
 Exact claims get exact tests (cpu_kernel's docstring): whether K and V were decoded for the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfa.attention import cpu_kernel, torch_path
+from qfa.attention.backends import cpu_kernel, torch_path
 from qfa.tiling.attention import plan_attention
 from test_attention_reference import check_against_reference
 from test_cpu_kernel import make, needs_kernel, v_max

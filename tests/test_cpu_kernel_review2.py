@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from qfa.attention import cpu_kernel
+from qfa.attention.backends import cpu_kernel
 from qfa.cast import luts
 from test_cpu_kernel import needs_kernel
 

@@ -16,11 +16,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qfa  # noqa: F401  (registers torch.ops.qfa.*)
-from qfa.attention.dropin import hif8_attention as _hif8_attention
-from qfa.attention.dropin_module import HiF8Attention as _HiF8Attention
+from qfa.dropin.function import hif8_attention as _hif8_attention
+from qfa.dropin.module import HiF8Attention as _HiF8Attention
 
-from qfa.attention import dropin_call, smoothing
-from qfa.attention.dropin_call import DropinCall
+from qfa.dropin import call as dropin_call, smoothing
+from qfa.dropin.call import DropinCall
 from qfa.cast import encode_to_hifloat8
 
 # The compiled paths are compared with eager ones, with the (default) Hadamard rotation off to

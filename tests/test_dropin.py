@@ -30,11 +30,11 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import calibration as cal
-from qfa.attention import dropin_eager
-from qfa.attention.dropin import hif8_attention as _hif8_attention
-from qfa.attention.dropin_module import HiF8Attention as _HiF8Attention
-from qfa.attention.smoothing import key_means, prepare
+from qfa.dropin import calibration as cal
+from qfa.dropin import eager as dropin_eager
+from qfa.dropin.function import hif8_attention as _hif8_attention
+from qfa.dropin.module import HiF8Attention as _HiF8Attention
+from qfa.dropin.smoothing import key_means, prepare
 
 # These tests pin the quantise -> op -> dequantise plumbing against references built from the
 # un-rotated dequantised inputs, so they switch the (default) Hadamard rotation off;

@@ -27,9 +27,9 @@ import torch
 
 import mode16_reference as m16
 import qfa
-from qfa.attention import calibration as cal
-from qfa.attention import dropin_scaled, rotation, smoothing
-from qfa.attention.dropin_call import FORMATS
+from qfa.dropin import calibration as cal
+from qfa.dropin import rotation, scaled as dropin_scaled, smoothing
+from qfa.dropin.call import FORMATS
 from qfa.cast import fp8, mxfp8
 from qfa.tiling.spec import KEY_BLOCK, QuantMode, default_softmax_scale
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import calibration as cal
-from qfa.attention.dropin import DEPRECATED_NAMES
+from qfa.dropin import calibration as cal
+from qfa.dropin.function import DEPRECATED_NAMES
 from qfa.serving import PagedHiF8Cache
 
 D = 128

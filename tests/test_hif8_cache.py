@@ -22,9 +22,9 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E4
 
 import qfa  # noqa: E402
 import qfa.integrations.transformers as qfa_hf  # noqa: E402
-from qfa.attention import calibration as cal  # noqa: E402
-from qfa.attention import rotation  # noqa: E402
-from qfa.attention.smoothing import lse_shift  # noqa: E402
+from qfa.dropin import calibration as cal  # noqa: E402
+from qfa.dropin import rotation  # noqa: E402
+from qfa.dropin.smoothing import lse_shift  # noqa: E402
 from qfa.cast import format as fmt  # noqa: E402
 from qfa.serving import hif8_cache as hc  # noqa: E402
 from qfa.serving.attention import cached_attention, hif8_cache_of  # noqa: E402

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import cpu_kernel, torch_path
+from qfa.attention.backends import cpu_kernel, torch_path
 from qfa.tiling import attention as tiling
 from qfa.tiling import attention_checks as checks
 from qfa.tiling.spec import MaskMode, QuantMode

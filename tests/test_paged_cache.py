@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 from qfa.cast import format as fmt
 from qfa.serving import PagedHiF8Cache
 

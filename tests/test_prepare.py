@@ -1,4 +1,4 @@
-"""The native preparation (qfa.attention.cpu_prepare / prepare): the same bits as the definitions.
+"""The native preparation (qfa.attention.backends.cpu_prepare / prepare): the same bits as the definitions.
 
 * The encoder at every SIMD level the CPU has, on every fp32 top-16-bit pattern with low-bit
   variants (the bf16/fp16 patterns are exhaustive in tests/test_cast_encode.py), against the
@@ -23,9 +23,10 @@ import pytest
 import torch
 
 import qfa
-from qfa.attention import calibration as cal
-from qfa.attention import cpu_kernel, cpu_prepare, dropin_eager, prepare, rotation, smoothing
-from qfa.attention.dropin_call import DropinCall
+from qfa.dropin import calibration as cal
+from qfa.attention.backends import cpu_kernel, cpu_prepare
+from qfa.dropin import eager as dropin_eager, prepare, rotation, smoothing
+from qfa.dropin.call import DropinCall
 from qfa.cast import format as fmt
 from qfa.cast import luts, torch_path
 from qfa.serving import encoding

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import qfa
-from qfa.attention import rotation
+from qfa.dropin import rotation
 from qfa.tools.workloads import llm_like_qkv
 
 

@@ -86,7 +86,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     import qfa
-    from qfa.attention.smoothing import prepare, valid_parts
+    from qfa.dropin.smoothing import prepare, valid_parts
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     pg = dist.group.WORLD
@@ -305,7 +305,7 @@ def _pieces(x: torch.Tensor, cuts) -> list[torch.Tensor]:
 def test_statistics_of_pieces_give_the_rule_of_the_whole(rule):
     """Merged statistics of any split (an empty piece included) finish to the rule's scale of
     the whole tensor: exactly for amax, and for rms off a rounding tie (checked here)."""
-    from qfa.attention import calibration as cal
+    from qfa.dropin import calibration as cal
 
     g = torch.Generator().manual_seed(3)
     fn = cal.RULES[rule]
@@ -329,7 +329,7 @@ def test_statistics_of_pieces_give_the_rule_of_the_whole(rule):
 @pytest.mark.parametrize("rule", ["amax", "rms"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_values_survive_the_reduction_and_are_refused_after_it(rule, bad):
-    from qfa.attention import calibration as cal
+    from qfa.dropin import calibration as cal
 
     red = cal.reduction_of(cal.RULES[rule])
     x = torch.ones(8)
@@ -340,7 +340,7 @@ def test_non_finite_values_survive_the_reduction_and_are_refused_after_it(rule, 
 
 
 def test_mse_has_no_reducible_form_and_a_user_rule_may_register_one():
-    from qfa.attention import calibration as cal
+    from qfa.dropin import calibration as cal
 
     assert cal.reduction_of(cal.mse_scale) is None
 

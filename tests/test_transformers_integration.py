@@ -312,8 +312,8 @@ def test_hif8_greedy_generation_with_cache(kind):
 
 
 def test_fp8_e4m3_adapter():
-    """The adapter around qfa.attention.fp8_emulation: BNSD as is, TND per sequence, q's dtype."""
-    from qfa.attention.fp8_emulation import fp8_e4m3_attention
+    """The adapter around qfa.dropin.fp8_emulation: BNSD as is, TND per sequence, q's dtype."""
+    from qfa.dropin.fp8_emulation import fp8_e4m3_attention
 
     torch.manual_seed(0)
     q = torch.randn(1, 4, 300, 128, dtype=torch.bfloat16)

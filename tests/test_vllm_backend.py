@@ -19,8 +19,8 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
-from qfa.attention import calibration as cal  # noqa: E402
-from qfa.attention import rotation  # noqa: E402
+from qfa.dropin import calibration as cal  # noqa: E402
+from qfa.dropin import rotation  # noqa: E402
 from qfa.attention.op import quant_flash_attn  # noqa: E402
 from qfa.cast import decode_from_hifloat8  # noqa: E402
 from qfa.cast import format as fmt  # noqa: E402

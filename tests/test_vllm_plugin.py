@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 from qfa.integrations.vllm import Options, calibration_file, engine_kwargs
 from qfa.integrations.vllm import options as opts
 from qfa.integrations.vllm import support
@@ -124,7 +124,7 @@ def test_layer_state_measure_is_the_rule_on_the_prepared_tokens():
     state = LayerState.measure(k, v, Transform(), cal.get_rule("rms"))
     mean = k.mean(0)
     assert torch.allclose(state.k_mean, mean, atol=1e-5)
-    from qfa.attention import rotation
+    from qfa.dropin import rotation
 
     assert torch.equal(state.k_scale, cal.rms_scale(rotation.rotate(k - state.k_mean)))
     assert torch.equal(state.v_scale, cal.rms_scale(rotation.rotate(v)))

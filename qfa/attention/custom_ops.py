@@ -9,7 +9,7 @@ return_softmax_lse, backend) -> (out, lse)``
 Its fake (meta) implementation gives only shapes and dtypes. The op is for inference: no
 autograd formula is registered. ``lse`` is an empty fp32 tensor of shape (0,) when not
 requested. The cast's ops are in :mod:`qfa.cast.custom_ops`, the drop-in's
-(``torch.ops.qfa.hif8_attention``) in :mod:`qfa.attention.dropin_op`.
+(``torch.ops.qfa.hif8_attention``) in :mod:`qfa.dropin.custom_op`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from qfa import backends
-from qfa.attention import cpu_kernel, nz_layout, paged, torch_path
+from qfa.attention import nz_layout
+from qfa.attention.backends import cpu_kernel, paged, torch_path
 from qfa.cast.api import as_codes
 from qfa.tiling import attention as tiling
 from qfa.tiling.attention import AttentionMetadata, AttentionPlan, plan_attention
@@ -93,7 +94,7 @@ def quant_flash_attn(
     """Attention on 8-bit Q/K/V with their descales; bf16 output.
 
     The arguments below describe the HiF8 mode (quant_mode 0). Modes 1 and 6 take what
-    ``shared/docs/quant-flash-attn-family.md`` lists (all checked, with the mode named in errors):
+    ``docs/spec/quant-flash-attn.md`` lists (all checked, with the mode named in errors):
 
     * quant_mode 1, MXFP8: q, k, v ``torch.float8_e4m3fn``; q and out TND; k/v TND (with
       ``cu_seqlens_kv``) or paged ``PA_BBND`` / ``PA_BNBD`` (block size 64 .. 1024, a power of
@@ -112,7 +113,7 @@ def quant_flash_attn(
     prefer values on the E4M3 grid (1, 104, 448), since a p_scale on a rounding midpoint (100)
     makes each row's largest P depend on exp's last bit. Softmax blocks are 512 keys
     (``qfa.tiling.spec.KEY_BLOCK``). Unset layouts are the mode's defaults. They run on the torch
-    path on CPU (:mod:`qfa.attention.scaled_torch_path`) and the Triton kernel on devices.
+    path on CPU (:mod:`qfa.attention.backends.scaled_torch_path`) and the Triton kernel on devices.
 
     Args:
         q, k, v: HiF8 codes (``torch.uint8``, or ``torch_npu.hifloat8``) in one layout:
@@ -218,7 +219,7 @@ def _scaled_backend(plan: AttentionPlan, requested: str | None):
     if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import scaled_attention as kernel
     else:
-        from qfa.attention import scaled_torch_path as kernel
+        from qfa.attention.backends import scaled_torch_path as kernel
     return kernel
 
 

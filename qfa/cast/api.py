@@ -1,6 +1,6 @@
 """``encode_to_hifloat8`` / ``decode_from_hifloat8``: argument checks and backend dispatch.
 
-On CPU the encode runs the native encoder (:mod:`qfa.attention.cpu_prepare`: register tables on
+On CPU the encode runs the native encoder (:mod:`qfa.attention.backends.cpu_prepare`: register tables on
 AVX-512, a code table elsewhere, parallel above 2^18 elements) when it is built; the
 torch path (one table gather, compiled by TorchInductor for large tensors) runs elsewhere, under
 ``torch.compile`` tracing and with ``QFA_NATIVE=0``. Both give the same bits (tested on every
@@ -34,7 +34,7 @@ def _native_cpu(x: torch.Tensor) -> bool:
     if x.device.type != "cpu":
         return False
     if _cpu_prepare is None:
-        from qfa.attention import cpu_prepare
+        from qfa.attention.backends import cpu_prepare
 
         _cpu_prepare = cpu_prepare
     return _cpu_prepare.usable(x)

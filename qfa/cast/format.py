@@ -1,7 +1,7 @@
 """HiFloat8 (HiF8): the single source of truth for the format.
 
 Every constant, the value of every code and the rounding rule live here; the host LUTs, the
-torch paths and the Triton kernels import them. See ``shared/docs/hif8-format.md``.
+torch paths and the Triton kernels import them. See ``docs/spec/hif8-format.md``.
 
 Byte layout: ``S | Dot (prefix code) | exponent (D bits) | mantissa``.
 

@@ -10,7 +10,7 @@ TorchInductor (:mod:`qfa._compile`, as the HiF8 cast does; ``QFA_COMPILE=0`` tur
 is exact arithmetic only (shifts, powers of two, round, one IEEE division), so compiled and eager
 give the same bits.
 
-quant_mode 6 (``shared/docs/quant-flash-attn-family.md``) keeps one fp32 scale per token and
+quant_mode 6 (``docs/spec/quant-flash-attn.md``) keeps one fp32 scale per token and
 head for q (NTD, scale (Q_N, Q_T)) and for the paged k (PA_BNBD (Bn, KV_N, 128, D), scale
 (Bn, KV_N, 128)), and one per head for v (scale (KV_N,)). The rule, for each group of values
 sharing a scale:

@@ -27,7 +27,7 @@ arithmetic, so the codes here are built as uint8 bits and viewed as the dtype).
 Upstream's op reads the scales in pairs (a trailing axis of 2, the count padded to even with
 :data:`PAIR_PAD_CODE`); :func:`pack_q_descale`, :func:`pack_k_descale` and
 :func:`pack_v_descale` put the per-block scales of :func:`quantize` into the layouts of
-``shared/docs/quant-flash-attn-family.md``, and the ``unpack_*`` functions take them back.
+``docs/spec/quant-flash-attn.md``, and the ``unpack_*`` functions take them back.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The torch path of the cast: one table gather per element, exact on any device torch runs on.
 
-On CPU the encode normally runs the native encoder instead (:mod:`qfa.attention.cpu_prepare`,
+On CPU the encode normally runs the native encoder instead (:mod:`qfa.attention.backends.cpu_prepare`,
 the same bits); this path serves where it is not built, under ``torch.compile`` tracing, with
 ``QFA_NATIVE=0``, and for the decode. On CPU the gather is compiled once per process with
 TorchInductor (a fused C++ loop); eager torch runs the same ops for small tensors, where

@@ -372,7 +372,7 @@ def register_fp8(name: str = "qfa_fp8", *, fallback: str | None = None, **option
 
 def fp8_e4m3_adapter(q, k, v, *, is_causal: bool = False, softmax_scale: float | None = None, layout: str = "BNSD",
                      cu_seqlens_q=None, cu_seqlens_kv=None, smooth_k: bool = True, rotate: bool = False) -> torch.Tensor:
-    """:func:`qfa.attention.fp8_emulation.fp8_e4m3_attention` with :func:`qfa.hif8_attention`'s
+    """:func:`qfa.dropin.fp8_emulation.fp8_e4m3_attention` with :func:`qfa.hif8_attention`'s
     calling convention, so the same plumbing runs it: BNSD, or TND with ``cu_seqlens``.
 
     The emulation: K smoothed (on by default here, like HiF8's ``smooth_k``, so the comparison
@@ -381,7 +381,7 @@ def fp8_e4m3_adapter(q, k, v, *, is_causal: bool = False, softmax_scale: float |
     sum from the unquantised P; causal aligned bottom-right. TND runs each sequence on its own
     (its own scales and K mean); the output comes back in q's dtype.
     """
-    from qfa.attention.fp8_emulation import fp8_e4m3_attention
+    from qfa.dropin.fp8_emulation import fp8_e4m3_attention
 
     if layout == "BNSD":
         return fp8_e4m3_attention(q, k, v, is_causal=is_causal, scale=softmax_scale, smooth_k=smooth_k,

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import torch
 
-from qfa.attention import calibration as cal
-from qfa.attention import rotation
-from qfa.attention.dropin_inputs import p_scale_tensor
+from qfa.dropin import calibration as cal
+from qfa.dropin import rotation
+from qfa.dropin.inputs import p_scale_tensor
 from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
-from qfa.attention.smoothing import lse_shift
+from qfa.dropin.smoothing import lse_shift
 from qfa.attention.wording import callers_words
 from qfa.serving.hif8_cache import STATIC_SCALES, CacheHandle, HiF8Cache, HiF8Layer, Staged
 from qfa.tiling.checks import check_bool, check_float_tensor, check_positive_float

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 from qfa.cast import format as fmt
 
 

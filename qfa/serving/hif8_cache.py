@@ -12,7 +12,7 @@ padding never enters a scale or a mean. Later tokens are smoothed with the froze
 and encoded with the frozen scales (saturating; :attr:`HiF8Layer.saturated` counts clamped
 elements). Both transforms stay exact for softmax with a cache: subtracting a fixed vector from
 every key shifts each score row by a constant, and the Hadamard rotation is one fixed orthogonal
-map (``shared/docs/serving.md``).
+map (``docs/serving.md``).
 
 Tokens are stored *compacted*: sequence b's valid tokens occupy positions [0, lengths[b]) of its
 row, in order, whatever the left or right padding of the input was. So the op reads the codes in
@@ -46,9 +46,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from qfa.attention import calibration as cal
-from qfa.attention import rotation
-from qfa.attention.dropin_call import DropinCall as _D  # the drop-in's defaults, one source
+from qfa.dropin import calibration as cal
+from qfa.dropin import rotation
+from qfa.dropin.call import DropinCall as _D  # the drop-in's defaults, one source
 from qfa.serving.encoding import encode
 from qfa.tiling.checks import check_bool, check_float_tensor
 from qfa.tiling.spec import HEAD_DIM
@@ -427,7 +427,7 @@ class HiF8Cache(Cache):
             full attention: the HiF8 op has no sliding window). Without it, layers are created
             as they are first updated.
         calibration: the rule that fixes each layer's K and V scales from its prefill
-            (:mod:`qfa.attention.calibration`; None: the default rule), and that scales each
+            (:mod:`qfa.dropin.calibration`; None: the default rule), and that scales each
             call's query when no static q scale is given.
         smooth_k: subtract each sequence's prefill key mean (per head, per channel; frozen).
             On by default, as in :func:`qfa.hif8_attention`.

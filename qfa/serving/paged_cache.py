@@ -28,7 +28,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 from qfa.attention.op import quant_flash_attn
 from qfa.attention.wording import callers_words
 from qfa.serving.encoding import encode
@@ -64,7 +64,7 @@ class PagedHiF8Cache:
         head_dim: 128 (the op's only head size).
         device: where the code tensors live.
         calibration: the rule that fixes a layer's K and V scales from its first appended tokens
-            (see :mod:`qfa.attention.calibration`; None: the default rule).
+            (see :mod:`qfa.dropin.calibration`; None: the default rule).
         scales: optional per-layer ``(k_scale, v_scale)`` fixed up front (a sequence with one
             entry per layer, entries None for "from the rule"), e.g. from offline calibration.
     """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 
 DTYPES = ("float32", "bfloat16", "float16")
 

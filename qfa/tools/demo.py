@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def codec_rows(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
-    from qfa.attention import calibration
-    from qfa.attention.fp8_emulation import fake_quant_e4m3
+    from qfa.dropin import calibration
+    from qfa.dropin.fp8_emulation import fake_quant_e4m3
 
     rows = []
     for name, x in tensors.items():
@@ -76,8 +76,8 @@ def _median(fn) -> float:
 def attention_rows(q, k, v) -> tuple[list[list[str]], dict[str, float]]:
     """Error and time of each attention against exact fp32 SDPA; times are medians (see
     :func:`qfa.tools.bench.timing.median_seconds`), the first call is reported apart."""
-    from qfa.attention.dropin import hif8_attention
-    from qfa.attention.fp8_emulation import fp8_e4m3_attention
+    from qfa.dropin.function import hif8_attention
+    from qfa.dropin.fp8_emulation import fp8_e4m3_attention
 
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
     exact, first_exact = _first_call(sdpa)

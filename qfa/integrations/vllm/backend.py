@@ -44,9 +44,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
-from qfa.attention.prepare import restore_output
+from qfa.dropin.prepare import restore_output
 from qfa.integrations.vllm import calibration_file
 from qfa.integrations.vllm import options as opts
 from qfa.integrations.vllm.layer_state import LayerState, measured_scale

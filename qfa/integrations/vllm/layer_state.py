@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from qfa.attention import calibration as cal
-from qfa.attention import rotation
-from qfa.attention.prepare import encode_tokens
+from qfa.dropin import calibration as cal
+from qfa.dropin import rotation
+from qfa.dropin.prepare import encode_tokens
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def measured_scale(x: torch.Tensor, rule: cal.Rule, name: str, process_group=Non
     values = _finite_values(x)
     if process_group is None:
         return cal.check_scale(rule(values), f"{name} scale from the calibration rule")
-    from qfa.attention import distributed
+    from qfa.dropin import distributed
 
     return cal.sharded_scale(rule, values, name, process_group, lambda: distributed.gather_flat(values, process_group))
 
@@ -95,7 +95,7 @@ class LayerState:
 
     def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, saturated)`` of keys (T, Nkv, 128): smoothed, rotated, scaled, saturating
-        (:func:`qfa.attention.prepare.encode_tokens`: two native passes on CPU, the bits of
+        (:func:`qfa.dropin.prepare.encode_tokens`: two native passes on CPU, the bits of
         ``quantize(rotate(k.float() - mean), k_scale)``)."""
         codes, _, saturated = encode_tokens(k, mean=self.k_mean, rotate=self.transform.rotate, scale=self.k_scale)
         return codes, saturated

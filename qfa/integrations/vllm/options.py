@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from qfa.attention import calibration as cal
-from qfa.attention.dropin_call import DropinCall as _D
+from qfa.dropin import calibration as cal
+from qfa.dropin.call import DropinCall as _D
 from qfa.integrations.vllm.layer_state import Transform
 
 #: The key of ``additional_config`` the plugin owns.

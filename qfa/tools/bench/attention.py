@@ -119,12 +119,12 @@ def code_path(backend: str, quant_mode: int = 0) -> str:
     if backend != "torch":
         return f"backend {backend}"
     if quant_mode != 0:
-        return "pure-torch path of modes 1 and 6 (qfa.attention.scaled_torch_path; no native kernel for them)"
-    from qfa.attention import cpu_kernel
+        return "pure-torch path of modes 1 and 6 (qfa.attention.backends.scaled_torch_path; no native kernel for them)"
+    from qfa.attention.backends import cpu_kernel
 
     if cpu_kernel.available():
         return f"native CPU kernel ({cpu_kernel.cpu_capability()} build {cpu_kernel.build_name()})"
-    return "pure-torch path (qfa.attention.torch_path; native kernel off or unavailable)"
+    return "pure-torch path (qfa.attention.backends.torch_path; native kernel off or unavailable)"
 
 
 def causal_flops(heads: int, seq: int, dim: int = 128) -> float:
@@ -146,7 +146,7 @@ def attention_flops(heads: int, seq_q: int, seq_kv: int, causal: bool, batch: in
 def measure_peaks(threads: int | None = None, seconds: float = PEAK_SECONDS) -> dict[str, float]:
     """GFLOP/s of each of the native extension's peak loops on ``threads`` threads at once
     (default torch's count): empty where the kernel is not built."""
-    from qfa.attention import cpu_kernel
+    from qfa.attention.backends import cpu_kernel
 
     return {kind: cpu_kernel.peak_gflops(kind, threads, seconds) for kind in cpu_kernel.peak_kinds()}
 
@@ -169,7 +169,7 @@ def peak_of(isa: Sequence[str], peaks: dict[str, float]) -> float | None:
 def isa_of(fn: Callable[[], object], backend: str, quant_mode: int = 0) -> list[str]:
     """The kernel families one call of ``fn`` ran: the native kernel's own account of its
     blocks, or the name of the other implementation."""
-    from qfa.attention import cpu_kernel
+    from qfa.attention.backends import cpu_kernel
 
     if backend != "torch":
         return [f"backend {backend}"]
@@ -519,7 +519,7 @@ def peak_memory(seq: int, backend: str) -> dict:
 
 def accuracy_rows(seq: int) -> list[list[str]]:
     from qfa.attention import hif8_attention
-    from qfa.attention.fp8_emulation import fp8_e4m3_attention
+    from qfa.dropin.fp8_emulation import fp8_e4m3_attention
     from qfa.tools.workloads import llm_like_qkv, uniform_qkv
 
     rows = []

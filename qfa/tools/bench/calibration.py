@@ -7,7 +7,7 @@ with and without K smoothing, runs :func:`qfa.hif8_attention` (the real ``quant_
 them and compares with exact fp32 attention on the unquantised inputs. The table gives the mean
 over layers of the output's cosine similarity and relative L2 error, and the worst layer's
 relative L2 error. For scale, the first rows show bf16 SDPA on the same inputs (the precision the
-model runs in) and the per-tensor FP8 E4M3 emulation (``qfa.attention.fp8_emulation``).
+model runs in) and the per-tensor FP8 E4M3 emulation (``qfa.dropin.fp8_emulation``).
 
 Example::
 
@@ -171,7 +171,7 @@ def measure(captures: Sequence[Capture], rules: Sequence[str], smooth_options: S
         base.append((c.layer, *_errors(out, ref)))
     rows.append(_row("bf16 SDPA (no quantisation)", None, base, time.perf_counter() - t0))
     try:  # the per-tensor FP8 E4M3 emulation (amax / 448, P scaled by 448), for scale
-        from qfa.attention.fp8_emulation import fp8_e4m3_attention
+        from qfa.dropin.fp8_emulation import fp8_e4m3_attention
     except ImportError:
         fp8_e4m3_attention = None
     # The Hadamard rotation (the drop-in's default) is measured with K smoothing only.
@@ -251,7 +251,7 @@ def _load_and_capture(args) -> tuple[list[Capture], str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qfa.attention import calibration as cal
+    from qfa.dropin import calibration as cal
 
     rules = list(cal.RULES) if args.rules is None else [r.strip() for r in args.rules.split(",") if r.strip()]
     for r in rules:

@@ -4,7 +4,7 @@ Throughput is (input bytes + output bytes) / time, the Ascend cast op's formula.
 is the median of several rounds that time each operation once in turn, in the same process as
 its references (a shared host's slow minutes fall on all alike), and the ratios are what to
 compare across machines. The header names the CPU and the encode path that ran (on
-CPU the native encoder at the best SIMD level the CPU has, see qfa.attention.cpu_prepare);
+CPU the native encoder at the best SIMD level the CPU has, see qfa.attention.backends.cpu_prepare);
 ``--levels`` adds the encode ratio of every lower native level and of the torch path (the
 compiled table gather), so one run shows what each path gives on this CPU. The verdict line is
 the target: encode >= 1.5x the native fp8 cast from 1M elements.
@@ -51,7 +51,7 @@ def _encode_variants(device: str, backend: str | None) -> dict:
     import contextlib
     import os
 
-    from qfa.attention import cpu_kernel, cpu_prepare
+    from qfa.attention.backends import cpu_kernel, cpu_prepare
 
     @contextlib.contextmanager
     def level(isa: int):
@@ -88,7 +88,7 @@ def encode_path(device: str, backend: str | None) -> str:
     chosen = backends.resolve(torch.device(device), backend)
     if chosen == "triton":
         return "Triton kernel"
-    from qfa.attention import cpu_prepare
+    from qfa.attention.backends import cpu_prepare
 
     if device == "cpu" and cpu_prepare.available():
         level = cpu_prepare.isa_level()

@@ -5,8 +5,8 @@ encoding) and the output's un-rotation and cast; ``quant_flash_attn`` alone is m
 ``qfa bench attention``. Each row (one dtype, one S; B = 1, causal, BNSD, ``--heads``) times, in
 turns (one call of each per round, median of rounds: a shared host's slow minutes fall on all
 alike): the drop-in, ``scaled_dot_product_attention`` on the same tensors, and the drop-in's
-preparation alone (:func:`qfa.attention.prepare.quantized_inputs` plus
-:func:`~qfa.attention.prepare.restore_output`), whose share of the call is reported. ``--load``
+preparation alone (:func:`qfa.dropin.prepare.quantized_inputs` plus
+:func:`~qfa.dropin.prepare.restore_output`), whose share of the call is reported. ``--load``
 times them again while a busy-loop process occupies one core, beside their quiet times. The first-call line runs one call in a fresh process (extensions already built) and says
 whether anything was compiled by TorchInductor there.
 """
@@ -81,8 +81,8 @@ def inputs(dtype: torch.dtype, seq: int, heads: tuple[int, int]) -> tuple[torch.
 def row_calls(q, k, v) -> dict:
     """The timed calls of a row: the drop-in, SDPA, and the drop-in's preparation alone."""
     import qfa
-    from qfa.attention import dropin_eager, prepare
-    from qfa.attention.dropin_call import DropinCall
+    from qfa.dropin import eager as dropin_eager, prepare
+    from qfa.dropin.call import DropinCall
 
     call = DropinCall(q=q, k=k, v=v, is_causal=True)
     out = qfa.hif8_attention(q, k, v, is_causal=True).bfloat16()  # the op's output dtype, what is un-rotated
@@ -150,11 +150,11 @@ def _verdict(name: str, ok: list[bool]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qfa.attention import cpu_prepare
+    from qfa.attention.backends import cpu_prepare
     from qfa.tools.bench.attention import cpu_description
 
     if not cpu_prepare.available():
-        print("the native CPU preparation is not available (see qfa.attention.cpu_prepare): nothing to measure")
+        print("the native CPU preparation is not available (see qfa.attention.backends.cpu_prepare): nothing to measure")
         return 1
     if args.threads is not None:
         if args.threads < 1:

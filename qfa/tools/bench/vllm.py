@@ -2,7 +2,7 @@
 
 ::
 
-    python -m qfa bench vllm --output docs/vllm-benchmarks.md
+    python -m qfa bench vllm --output FILE
 
 Loads a model into vLLM in bf16 (by default the packaged Qwen2.5-Coder-1.5B, exported once from
 its GGUF to a safetensors folder, :func:`safetensors_folder`) and measures, with each cache:

@@ -1,6 +1,6 @@
 """The torch backend's CPU work as one native kernel: ``csrc/cpu_attention.cpp``.
 
-Same contract and numerics as :func:`qfa.attention.torch_path.forward` (the golden reference):
+Same contract and numerics as :func:`qfa.attention.backends.torch_path.forward` (the golden reference):
 for each query row, its visible keys in 256-key blocks in ascending order, P rounded to HiF8
 relative to the running max, exact HiF8 products with fp32 accumulation. The work is organised
 the way ATen's own CPU flash attention is: work items of (batch, kv head, query tile), handed
@@ -70,7 +70,7 @@ extension cache) with the vector flags of the CPU capability torch itself detect
 raised to AVX512_BF16 where /proc/cpuinfo lists avx512_bf16); the build name carries the
 capability and a hash of the CPU's /proc/cpuinfo flags, so a machine never loads a binary built
 for another CPU. Where no compiler is present or the build fails, :func:`available` says False
-and warns once, and the op runs :mod:`qfa.attention.torch_path`. ``QFA_NATIVE=0`` turns the
+and warns once, and the op runs :mod:`qfa.attention.backends.torch_path`. ``QFA_NATIVE=0`` turns the
 kernel off.
 """
 
@@ -167,7 +167,7 @@ def last_paths() -> list[str]:
     dot products), ``AVX2`` (the fp32 tiles and the few-row fused kernels) and ``scalar`` (MKL
     GEMMs, the build without a vector ISA)."""
     if not available():
-        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.cpu_kernel.available)")
+        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.backends.cpu_kernel.available)")
     return list(_module.last_paths())
 
 
@@ -235,7 +235,7 @@ def available() -> bool:
             except Exception as exc:  # no compiler, no ninja, a build error, ...
                 _failed = True
                 warnings.warn(f"qfa: the native CPU attention kernel is unavailable ({exc!r}); the pure-torch path "
-                              "(qfa.attention.torch_path) runs instead", stacklevel=2)
+                              "(qfa.attention.backends.torch_path) runs instead", stacklevel=2)
     return _module is not None
 
 
@@ -335,7 +335,7 @@ def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale,
     if device.type != "cpu":
         raise ValueError(f"q must be on the CPU for the native kernel, got {device}")
     if not (known_available and _module is not None) and not available():
-        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.cpu_kernel.available)")
+        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.backends.cpu_kernel.available)")
     table = _table_of(plan, block_table)
     if bf16 is None:
         bf16 = bf16_dot()

@@ -1,7 +1,7 @@
 """The torch path of quant_flash_attn's quant_mode 1 (MXFP8) and 6 (FP8 E4M3 per-token-head):
 the golden reference of those modes, on any device.
 
-The numerics (``shared/docs/quant-flash-attn-family.md``), per query row over its visible keys in
+The numerics (``docs/spec/quant-flash-attn.md``), per query row over its visible keys in
 512-key blocks (``spec.KEY_BLOCK``) in ascending order, are mode 0's online softmax with E4M3 in
 place of HiF8:
 
@@ -21,7 +21,7 @@ are applied where the doc applies them: the scores are scaled after the GEMM (pe
 q_descale, per column by k_descale), P8 @ V by the head's v_descale. E4M3 values have 4
 significant bits, so Q . K and P8 . V of E4M3 elements have exact products in fp32 too.
 
-The loop is mode 0's (:mod:`qfa.attention.torch_path`): per batch, per kv head, its GQA group's
+The loop is mode 0's (:mod:`qfa.attention.backends.torch_path`): per batch, per kv head, its GQA group's
 rows in (position, group) order, tiles of query positions, causal blocks only where they cross
 the diagonal, keys past a sequence's length never read; the online-softmax step is the same
 function with ``qfa.cast.fp8``'s E4M3 rounding (nearest even, saturating at 448) in place of
@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 
 from qfa import _compile
-from qfa.attention.cpu_gemm import matmul_nt
-from qfa.attention.torch_path import _per_batch, _pv_with_specials, _Tile, softmax_block_for
+from qfa.attention.backends.cpu_gemm import matmul_nt
+from qfa.attention.backends.torch_path import _per_batch, _pv_with_specials, _Tile, softmax_block_for
 from qfa.cast import mxfp8
 from qfa.cast.fp8 import on_e4m3_grid
 from qfa.tiling import attention as tiling

@@ -1,9 +1,9 @@
 """The custom op ``torch.ops.qfa.hif8_attention``: the whole drop-in computation as one opaque
 op, which :func:`qfa.hif8_attention` calls while ``torch.compile`` traces it.
 
-Its schema is built from :class:`~qfa.attention.dropin_call.DropinCall` (arguments in the
+Its schema is built from :class:`~qfa.dropin.call.DropinCall` (arguments in the
 dataclass's field order, with its defaults; also callable by name), its kernel is
-:func:`qfa.attention.dropin_eager.run` and its fake gives the shapes and dtypes. One opaque op
+:func:`qfa.dropin.eager.run` and its fake gives the shapes and dtypes. One opaque op
 keeps the data-dependent parts (scale rules, per-sequence means, the cast's own compiled kernels)
 out of the traced graph. Inference only: no autograd formula is registered. ``lse`` is an empty
 fp32 tensor of shape (0,) when not requested.
@@ -16,8 +16,9 @@ from typing import ContextManager, Mapping
 import torch
 from torch import Tensor
 
-from qfa.attention import dropin_eager, wording
-from qfa.attention.dropin_call import FORMAT_MODES, OP_NAME, DropinCall, schema
+from qfa.attention import wording
+from qfa.dropin import eager as dropin_eager
+from qfa.dropin.call import FORMAT_MODES, OP_NAME, DropinCall, schema
 
 #: ``quant_flash_attn``'s names for the scales the drop-in computes or takes from ``scales=``,
 #: in the drop-in's words (its callers never pass a descale).

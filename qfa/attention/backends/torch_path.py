@@ -16,7 +16,7 @@ Sq x Skv.
 
 The products are exact in fp32 (a HiF8 value has at most 4 significant bits), so the result
 depends only on fp32 summation order: on CPU the GEMMs go to oneDNN, whose fp32 kernels are
-2x the default BLAS here (see :mod:`qfa.attention.cpu_gemm`).
+2x the default BLAS here (see :mod:`qfa.attention.backends.cpu_gemm`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from qfa import _compile
-from qfa.attention import paged
-from qfa.attention.cpu_gemm import matmul_nt
+from qfa.attention.backends import paged
+from qfa.attention.backends.cpu_gemm import matmul_nt
 from qfa.cast import format as fmt
 from qfa.cast import luts, rounding
 from qfa.cast import torch_path as cast_torch

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from qfa.attention import rotation
+from qfa.dropin import rotation
 
 
 def _segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -59,11 +59,11 @@ def key_means(k: torch.Tensor, layout: str = "BNSD", cu_seqlens_kv=None, seqused
     Shape: (B, Nkv, D) for BNSD/BSND, (number of sequences, Nkv, D) for TND. Valid keys are
     those below ``seqused_kv`` when given; sequences without keys get 0. The definition: the
     float64 sum of the keys' fp32 values, divided by their count, rounded to fp32 once (the
-    native pass, :func:`qfa.attention.prepare.key_means`, sums each channel in key order; the
+    native pass, :func:`qfa.dropin.prepare.key_means`, sums each channel in key order; the
     torch ops below in their own order, which can move the float64 sum's last bits, and the fp32
     result only when that sum lies within them of an fp32 rounding boundary).
     """
-    from qfa.attention import prepare  # imports this module's package siblings: import on use
+    from qfa.dropin import prepare  # imports this module's package siblings: import on use
 
     segs = prepare.segments(k, layout, cu_seqlens_kv, seqused_kv) if prepare.native_rows(k) else None
     if segs is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qfa.attention import rotation
+from qfa.dropin import rotation
 from qfa.cast.fp8 import E4M3, E4M3_MAX
 from qfa.tiling.spec import default_softmax_scale
 

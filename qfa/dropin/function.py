@@ -1,14 +1,14 @@
 """``hif8_attention``: attention on float Q/K/V through HiF8 per-tensor quantisation, or, with
-``format=``, through MXFP8 or FP8 E4M3 per-token-head (:mod:`qfa.attention.dropin_scaled`);
+``format=``, through MXFP8 or FP8 E4M3 per-token-head (:mod:`qfa.dropin.scaled`);
 ``mxfp8_attention`` and ``fp8_attention`` are the same function with the format set.
 
-The public function checks its arguments (:mod:`qfa.attention.dropin_inputs`), gathers them
-into one :class:`~qfa.attention.dropin_call.DropinCall`, and runs it: directly
-(:func:`qfa.attention.dropin_eager.run`) in eager mode, or as the custom op
-``torch.ops.qfa.hif8_attention`` (:mod:`qfa.attention.dropin_op`) while ``torch.compile`` traces
-it. K smoothing and the rotation are described in :mod:`qfa.attention.smoothing` and
-:mod:`qfa.attention.rotation`; the module form is :class:`qfa.attention.dropin_module.HiF8Attention`.
-Tensor parallel (``process_group=``, heads sharded across ranks) is :mod:`qfa.attention.distributed`.
+The public function checks its arguments (:mod:`qfa.dropin.inputs`), gathers them
+into one :class:`~qfa.dropin.call.DropinCall`, and runs it: directly
+(:func:`qfa.dropin.eager.run`) in eager mode, or as the custom op
+``torch.ops.qfa.hif8_attention`` (:mod:`qfa.dropin.custom_op`) while ``torch.compile`` traces
+it. K smoothing and the rotation are described in :mod:`qfa.dropin.smoothing` and
+:mod:`qfa.dropin.rotation`; the module form is :class:`qfa.dropin.module.HiF8Attention`.
+Tensor parallel (``process_group=``, heads sharded across ranks) is :mod:`qfa.dropin.distributed`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from qfa.attention import calibration as cal
-from qfa.attention import distributed, dropin_eager, dropin_inputs
-from qfa.attention import dropin_op  # noqa: F401  (registers torch.ops.qfa.hif8_attention)
-from qfa.attention.dropin_call import DropinCall as _D
+from qfa.dropin import calibration as cal
+from qfa.dropin import distributed, eager as dropin_eager, inputs as dropin_inputs
+from qfa.dropin import custom_op as dropin_op  # noqa: F401  (registers torch.ops.qfa.hif8_attention)
+from qfa.dropin.call import DropinCall as _D
 from qfa.attention.op import Metadata
 from qfa.tiling.checks import check_bool
 
@@ -87,10 +87,10 @@ def hif8_attention(
         seqused_q, seqused_kv: optional int32 (B,) used lengths per sequence, any layout: the
             tokens past them (padding at the end of each sequence) take no part in attention,
             the per-tensor scales or the K means.
-        calibration: scale rule name (see :mod:`qfa.attention.calibration`; default
-            :data:`~qfa.attention.calibration.DEFAULT_RULE`) or a callable tensor -> fp32 (1,).
+        calibration: scale rule name (see :mod:`qfa.dropin.calibration`; default
+            :data:`~qfa.dropin.calibration.DEFAULT_RULE`) or a callable tensor -> fp32 (1,).
         smooth_k: subtract the per-head, per-channel mean of K over the keys before quantising
-            (exact for softmax; see :mod:`qfa.attention.smoothing`). Strongly recommended for
+            (exact for softmax; see :mod:`qfa.dropin.smoothing`). Strongly recommended for
             models with K bias terms.
         p_scale: float or fp32 (1,) tensor, where P lands on the HiF8 grid (None: 1.0, best
             for HiF8). Valid range [2^-15, 2^15] (HiF8's normal binades); outside it is a
@@ -107,7 +107,7 @@ def hif8_attention(
             it (with a static scale they become HiF8's NaN/Inf codes).
         rotate: rotate the head dimension of q, k and v by a normalised Hadamard matrix before
             quantising and rotate the output back (exact in real arithmetic, see
-            :mod:`qfa.attention.rotation`): it spreads outlier channels, so per-tensor scales
+            :mod:`qfa.dropin.rotation`): it spreads outlier channels, so per-tensor scales
             fit HiF8's 3-bit binades better, at the cost of four 128-point Walsh-Hadamard
             butterflies per token.
             On by default: on Qwen2.5-Coder-1.5B it halved the KL to bf16 attention and put
@@ -122,7 +122,7 @@ def hif8_attention(
             it was planned with). Plan once, run many: the transformers adapter plans once per
             forward pass and passes it to every layer. Not used under ``torch.compile`` (the
             custom op plans itself; the result is the same).
-        process_group: tensor parallel (see :mod:`qfa.attention.distributed`): a
+        process_group: tensor parallel (see :mod:`qfa.dropin.distributed`): a
             ``torch.distributed.ProcessGroup`` whose ranks each hold a contiguous range of the
             q heads and the matching k/v heads (GQA kept, the same sequence lengths on every
             rank), shards in rank order. The scales that are computed are then those of the
@@ -157,7 +157,7 @@ def hif8_attention(
             do), and ``process_group`` needs no reduction (every scale lies within one head, so
             each rank's heads are exactly the unsharded call's). ``p_scale`` defaults to 448
             there (E4M3's largest value, on its grid; valid range [1, 448]; see
-            :mod:`qfa.attention.dropin_scaled`). NaN/Inf inputs are not an error there: they
+            :mod:`qfa.dropin.scaled`). NaN/Inf inputs are not an error there: they
             make their block's (or token's, or FP8 V's head's) scale NaN, and NaN reaches the
             outputs that read it.
 
@@ -212,7 +212,7 @@ def _attention(q, k, v, *, is_causal, softmax_scale, layout, cu_seqlens_q, cu_se
         if not isinstance(call["calibration"], str):
             raise TypeError(
                 "calibration must be a registered rule name under torch.compile (a callable cannot cross the "
-                "custom op); register it with qfa.attention.calibration.register_rule(name, fn)"
+                "custom op); register it with qfa.dropin.calibration.register_rule(name, fn)"
             )
         if process_group is not None:
             raise TypeError(

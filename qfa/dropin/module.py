@@ -9,11 +9,11 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from qfa.attention import calibration as cal
-from qfa.attention import distributed, dropin_inputs
-from qfa.attention.dropin import DEPRECATED_NAMES, _attention, take_deprecated
-from qfa.attention.dropin_call import DropinCall as _D
-from qfa.attention.smoothing import prepare, valid_parts
+from qfa.dropin import calibration as cal
+from qfa.dropin import distributed, inputs as dropin_inputs
+from qfa.dropin.function import DEPRECATED_NAMES, _attention, take_deprecated
+from qfa.dropin.call import DropinCall as _D
+from qfa.dropin.smoothing import prepare, valid_parts
 from qfa.tiling.attention import LAYOUTS
 from qfa.tiling.checks import check_bool
 
@@ -44,13 +44,13 @@ class HiF8Attention(nn.Module):
 
     ``HiF8Attention(scales=(q_scale, k_scale, v_scale))`` starts static with those scales (as
     :meth:`set_scales` does). Static scales are the op's descales, so the op's valid ranges
-    apply (see :func:`~qfa.attention.dropin.hif8_attention`'s ``scales`` and ``p_scale``): each
+    apply (see :func:`~qfa.dropin.function.hif8_attention`'s ``scales`` and ``p_scale``): each
     finite and > 0, ``softmax_scale * q_scale * k_scale <= FLT_MAX / (128 * 32768^2)``,
     ``v_scale * p_scale <= FLT_MAX / (1.25 * 32768 * Skv)``, ``p_scale`` in [2^-15, 2^15]. ``HiF8Attention(static=True)`` demands scales: calling it before
     they are frozen, set or loaded raises ``ValueError``. ``scale=`` is a deprecated alias of
     ``softmax_scale=``.
 
-    ``process_group`` (tensor parallel, see :mod:`qfa.attention.distributed`): this rank holds a
+    ``process_group`` (tensor parallel, see :mod:`qfa.dropin.distributed`): this rank holds a
     contiguous range of the heads, and the group's ranks together hold all of them. Dynamic
     scales are then the whole tensors' (as :func:`hif8_attention`'s ``process_group``), and
     calibration reduces at :meth:`freeze` (every rank must freeze; the context manager does):

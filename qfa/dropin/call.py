@@ -25,7 +25,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from qfa.attention import calibration as cal
+from qfa.dropin import calibration as cal
 from qfa.tiling.spec import QuantMode
 
 OP_NAME = "qfa::hif8_attention"

@@ -36,7 +36,7 @@ a strided subsample of the flattened tensor, which no per-shard statistic determ
 reducible form lets a scale be computed from pieces: batches in :class:`ScaleObserver`, and head
 shards across the ranks of a tensor-parallel group (:func:`sharded_scale`, one small all_reduce
 per tensor). A rule without one is applied to the whole tensor, gathered from the shards (exact
-for every rule, at the cost of moving the tensor). See :mod:`qfa.attention.distributed`.
+for every rule, at the cost of moving the tensor). See :mod:`qfa.dropin.distributed`.
 
 Exactness: MAX is exact in any order, so ``"amax"`` from shards or batches is bit for bit the
 unsharded rule. The float64 sum of squares summed in another order (per shard, then across
@@ -54,7 +54,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
-from qfa.attention import cpu_prepare, distributed
+from qfa.attention.backends import cpu_prepare
+from qfa.dropin import distributed
 from qfa.cast import format as fmt
 
 #: A calibration rule: float tensor -> fp32 scale of shape (1,).
@@ -256,7 +257,7 @@ def register_rule(name: str, rule: Rule, *, overwrite: bool = False, reduction: 
     if not callable(rule):
         raise TypeError(f"rule must be callable (tensor -> fp32 scale of shape (1,)), got {type(rule).__name__}")
     if reduction is not None and not isinstance(reduction, Reduction):
-        raise TypeError(f"reduction must be a qfa.attention.calibration.Reduction or None, "
+        raise TypeError(f"reduction must be a qfa.dropin.calibration.Reduction or None, "
                         f"got {type(reduction).__name__}")
     if reduction is not None and any(op not in distributed.REDUCE_OPS for op in reduction.ops):
         raise ValueError(f"reduction.ops must each be one of {distributed.REDUCE_OPS}, got {reduction.ops!r}")

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from qfa.attention import calibration as cal
-from qfa.attention.dropin_call import FORMAT_MODES, FORMATS
+from qfa.dropin import calibration as cal
+from qfa.dropin.call import FORMAT_MODES, FORMATS
 from qfa.tiling import checks
 from qfa.tiling.attention import MAX_BATCH, check_shapes
 from qfa.tiling.spec import HEAD_DIMS
@@ -118,7 +118,7 @@ def check_calibration(calibration: cal.RuleLike | None) -> cal.RuleLike:
 
 
 def check_format(format) -> str:
-    """``format`` if it is one of :data:`~qfa.attention.dropin_call.FORMATS`."""
+    """``format`` if it is one of :data:`~qfa.dropin.call.FORMATS`."""
     if not isinstance(format, str):
         raise TypeError(f"format must be a str, one of {FORMATS}, got {type(format).__name__}")
     if format not in FORMATS:

@@ -6,7 +6,7 @@ on one rank's heads is not the tensor's, so with ``process_group=`` the drop-in
 (:func:`qfa.hif8_attention`), :class:`qfa.HiF8Attention` and its calibration combine what
 each rank measures before turning it into a scale:
 
-* a rule with a reducible form (:class:`qfa.attention.calibration.Reduction`: ``"amax"``,
+* a rule with a reducible form (:class:`qfa.dropin.calibration.Reduction`: ``"amax"``,
   ``"rms"``) computes its few statistics on the local shard and all-reduces them
   (:func:`all_reduce_statistics`, one small collective per distinct reduction op);
 * any other rule (``"mse"``, user rules) sees the whole tensor, rebuilt by gathering the shards
@@ -31,7 +31,7 @@ except ImportError:  # a torch build without distributed support
 #: The type ``process_group=`` takes (``object`` in a torch build without torch.distributed).
 ProcessGroup = dist.ProcessGroup if dist is not None and dist.is_available() else object
 
-#: Reduction op names a :class:`~qfa.attention.calibration.Reduction` may use per statistic.
+#: Reduction op names a :class:`~qfa.dropin.calibration.Reduction` may use per statistic.
 REDUCE_OPS = ("max", "sum")
 
 

@@ -11,7 +11,7 @@ plugin), in fp32: the Walsh-Hadamard butterfly, levels h = 1, 2, 4, ..., n/2, ea
 ``x[i], x[i+h]`` by ``x[i] + x[i+h], x[i] - x[i+h]`` for the i whose bit h is clear, then one
 multiply by :func:`normalisation` (fl(1/sqrt(n))). That is ``x @ hadamard(n)`` in exact
 arithmetic (Sylvester's H is ``(-1)^popcount(i & j)``); each level is one exact-order IEEE
-operation per element, so the native row kernel (:mod:`qfa.attention.cpu_prepare`, for n = 128
+operation per element, so the native row kernel (:mod:`qfa.attention.backends.cpu_prepare`, for n = 128
 on CPU) and the torch ops below (any device, n, or autograd) give the same bits. It is also
 more accurate than the 128-term product it replaced (log2(n) roundings per element, not n) and
 costs n log2(n) additions instead of n^2 multiply-adds.
@@ -25,7 +25,7 @@ import struct
 
 import torch
 
-from qfa.attention import cpu_prepare
+from qfa.attention.backends import cpu_prepare
 
 
 def _check_size(n: int) -> None:

@@ -3,14 +3,14 @@
 its cache writes).
 
 Each of q, k and v becomes HiF8 codes of ``H (x - mu) / scale``: ``mu`` the K means (K smoothing,
-:mod:`qfa.attention.smoothing`), ``H`` the rotation (:mod:`qfa.attention.rotation`), ``scale``
+:mod:`qfa.dropin.smoothing`), ``H`` the rotation (:mod:`qfa.dropin.rotation`), ``scale``
 static or from the calibration rule on the smoothed, rotated values. On CPU that is two sweeps
-over the input in the native row kernel (:mod:`qfa.attention.cpu_prepare`), on the calling
+over the input in the native row kernel (:mod:`qfa.attention.backends.cpu_prepare`), on the calling
 thread, reading the input in its own dtype and strides:
 
 1. only when the scale is computed: the rule's statistics (the float64 sum of squares for
    ``"rms"``, the absolute maximum for ``"amax"``: their reducible forms,
-   :data:`qfa.attention.calibration.RMS_REDUCTION` / ``AMAX_REDUCTION``, finished by the same
+   :data:`qfa.dropin.calibration.RMS_REDUCTION` / ``AMAX_REDUCTION``, finished by the same
    code) of ``H (x - mu)`` over the valid rows; for K first its means, per (sequence, head) slab,
    which is then read again from cache;
 2. the codes of every row, rotated and divided in registers (and, for :func:`encode_tokens`,
@@ -20,15 +20,15 @@ After the op, :func:`restore_output` rotates the output back and casts it to the
 one more sweep. The alternative, one TorchInductor graph for the chain, was measured: its first
 call in a fresh process compiled for 19 s with a cold cache (5 s warm), it fuses the rotation
 only as a GEMM, and its 10-odd kernels each open a parallel region; the native passes build once
-in about a second and open none (see docs/benchmarks-dropin-cast.md).
+in about a second and open none (see docs/benchmarks.md).
 
 Bits: the codes are those of ``calibration.quantize(rotation.rotate(x.float() - mu), scale)``,
-the K means those of :func:`qfa.attention.smoothing.key_means`, the output that of
+the K means those of :func:`qfa.dropin.smoothing.key_means`, the output that of
 ``rotation.rotate(out)`` cast with saturation: one definition of each step, whichever path runs.
 A computed ``"amax"`` scale is the same bits as the rule on the materialised tensor; ``"rms"``
 sums its squares in another order (rows in sequence order), so the two can differ only when
 log2(rms) ties a half-integer to within float64 rounding (as between tensor-parallel shards, see
-:mod:`qfa.attention.calibration`). Other rules (``"mse"``, callables), non-CPU tensors and
+:mod:`qfa.dropin.calibration`). Other rules (``"mse"``, callables), non-CPU tensors and
 ``torch.compile`` tracing take the materialised path (the same functions, in torch ops).
 """
 
@@ -38,9 +38,10 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from qfa.attention import calibration as cal
-from qfa.attention import cpu_prepare, rotation
-from qfa.attention.dropin_call import DropinCall
+from qfa.dropin import calibration as cal
+from qfa.attention.backends import cpu_prepare
+from qfa.dropin import rotation
+from qfa.dropin.call import DropinCall
 from qfa.cast import format as fmt
 from qfa.tiling.checks import check_bool
 
@@ -184,7 +185,7 @@ def quantized_inputs(c: DropinCall, check_static: Callable[[torch.Tensor, str, t
 
 def restore_output(out: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """``rotation.rotate(out)`` cast to ``dtype`` (finite values beyond its range saturate, as
-    :func:`qfa.attention.dropin_eager.saturating_cast`), in one native pass; None where the
+    :func:`qfa.dropin.eager.saturating_cast`), in one native pass; None where the
     native pass does not apply."""
     if not native_rows(out) or dtype not in cpu_prepare.DTYPE_CODES:
         return None
@@ -225,11 +226,11 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
             fastest). Not modified.
         mean: None, or fp32 (heads, 128) on x's device: subtracted from every token before the
             rotation (K smoothing with a frozen per-head key mean), in fp32.
-        rotate: apply the normalised Hadamard rotation (:func:`qfa.attention.rotation.rotate`).
+        rotate: apply the normalised Hadamard rotation (:func:`qfa.dropin.rotation.rotate`).
         scale: a static scale (positive finite float or fp32 (1,) tensor); None computes it
             from the prepared tokens with ``calibration``.
         calibration: the rule for a computed scale (a registered name or a callable; None is
-            :data:`~qfa.attention.calibration.DEFAULT_RULE`). Ignored when ``scale`` is given.
+            :data:`~qfa.dropin.calibration.DEFAULT_RULE`). Ignored when ``scale`` is given.
 
     Returns:
         ``(codes, scale, saturated)``: uint8 codes of x's shape (contiguous), the fp32 (1,) scale

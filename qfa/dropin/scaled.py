@@ -1,5 +1,5 @@
 """The drop-in's MXFP8 and FP8 formats: float Q/K/V quantised with scales computed on the fly,
-then ``quant_flash_attn`` in quant_mode 1 or 6 (``shared/docs/quant-flash-attn-family.md``).
+then ``quant_flash_attn`` in quant_mode 1 or 6 (``docs/spec/quant-flash-attn.md``).
 
 * ``"mxfp8"`` (mode 1): Q and K in MXFP8 blocks of 32 channels along D (one E8M0 scale per
   token, head and 32 channels), V in blocks of 32 keys of one sequence per channel
@@ -33,7 +33,7 @@ from typing import Final
 
 import torch
 
-from qfa.attention.dropin_call import DropinCall
+from qfa.dropin.call import DropinCall
 from qfa.attention.op import quant_flash_attn
 from qfa.cast import fp8, mxfp8
 from qfa.cast.fp8 import E4M3, E4M3_MAX

@@ -1,7 +1,7 @@
 """The drop-in's computation on a checked :class:`DropinCall`: smooth, rotate, scale, quantise,
 call ``quant_flash_attn``, rotate back, correct the LSE. The HiF8 format's scales and call are
 here; MXFP8's and FP8's (scales per block / per token, computed on the fly) are
-:mod:`qfa.attention.dropin_scaled`. Smoothing, the output cast and the LSE correction are one
+:mod:`qfa.dropin.scaled`. Smoothing, the output cast and the LSE correction are one
 code path for every format.
 
 This is what the custom op ``qfa::hif8_attention`` runs, and what :func:`qfa.hif8_attention`
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from qfa.attention import calibration as cal
-from qfa.attention import distributed, dropin_scaled, prepare as fused, rotation
-from qfa.attention.dropin_call import DropinCall
-from qfa.attention.dropin_inputs import SCALE_NAMES, check_length_values
+from qfa.dropin import calibration as cal
+from qfa.dropin import distributed, prepare as fused, rotation, scaled as dropin_scaled
+from qfa.dropin.call import DropinCall
+from qfa.dropin.inputs import SCALE_NAMES, check_length_values
 from qfa.attention.op import Metadata, quant_flash_attn
-from qfa.attention.smoothing import lse_shift, prepare, valid_parts, valid_values
+from qfa.dropin.smoothing import lse_shift, prepare, valid_parts, valid_values
 from qfa.tiling.attention import lse_shape
 from qfa.tiling.spec import MaskMode, QuantMode, default_softmax_scale
 
@@ -33,7 +33,7 @@ def static_scale(s: torch.Tensor, name: str, device: torch.device) -> torch.Tens
 def _scales(c: DropinCall, tensors, process_group: distributed.ProcessGroup | None = None) -> list[torch.Tensor]:
     """The given static scales (checked), the others from the calibration rule on valid values
     (with ``process_group``: on the valid values of the whole tensor whose head shards the
-    group's ranks hold, see :func:`qfa.attention.calibration.sharded_scale`)."""
+    group's ranks hold, see :func:`qfa.dropin.calibration.sharded_scale`)."""
     rule = cal.get_rule(c.calibration)
     parts = valid_parts(tensors, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
     lengths = ((c.seqused_q, c.cu_seqlens_q), (c.seqused_kv, c.cu_seqlens_kv), (c.seqused_kv, c.cu_seqlens_kv))
@@ -120,7 +120,7 @@ def run(c: DropinCall, metadata: Metadata | None = None,
     if metadata is None:
         check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
     softmax_scale = default_softmax_scale(c.q.shape[-1]) if c.softmax_scale is None else c.softmax_scale
-    # HiF8 on CPU: two native passes per tensor, no float copies (qfa.attention.prepare); else
+    # HiF8 on CPU: two native passes per tensor, no float copies (qfa.dropin.prepare); else
     # the materialised tensors (the same definitions in torch ops).
     done = fused.quantized_inputs(c, static_scale) if process_group is None else None
     if done is not None:

@@ -2,7 +2,7 @@
 
 What it computes, per row of 128 values (a head vector):
 
-* ``rotate_rows``: ``H x`` by the Walsh-Hadamard butterfly (:mod:`qfa.attention.rotation` holds
+* ``rotate_rows``: ``H x`` by the Walsh-Hadamard butterfly (:mod:`qfa.dropin.rotation` holds
   the definition: levels h = 1, 2, ..., 64 of ``x[i] + x[i+h]``, ``x[i] - x[i+h]``, then one
   multiply by fl(1/sqrt(128))), converted to the output's dtype (finite values beyond a narrower
   dtype saturate);
@@ -31,7 +31,7 @@ sends the passes of the next 2 s to the calling thread alone. ``encode_flat`` an
 above 2^18 elements; a forked child runs everything on its calling thread (libgomp's team does
 not survive fork).
 
-Built on first use with the attention kernel's build helpers (:mod:`qfa.attention.cpu_kernel`:
+Built on first use with the attention kernel's build helpers (:mod:`qfa.attention.backends.cpu_kernel`:
 its compiler flags, the CPU-flags hash in the build name, ``QFA_NATIVE=0`` to turn native code
 off). Where it cannot be built, :func:`available` says False (and warns once) and callers use
 their torch paths, which compute the same bits.
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from qfa import csrc
-from qfa.attention import cpu_kernel
+from qfa.attention.backends import cpu_kernel
 from qfa.cast import format as fmt
 from qfa.cast import rounding
 
@@ -153,7 +153,7 @@ def usable(*tensors: torch.Tensor) -> bool:
 def module() -> ctypes.CDLL:
     """The loaded extension (call :func:`available` first)."""
     if _module is None and not available():
-        raise RuntimeError("the native CPU preparation is not available (see qfa.attention.cpu_prepare.available)")
+        raise RuntimeError("the native CPU preparation is not available (see qfa.attention.backends.cpu_prepare.available)")
     return _module
 
 
