@@ -3,7 +3,7 @@
 ``forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)`` runs the
 :class:`~qfa.tiling.attention.AttentionPlan` that ``qfa.tiling.attention.plan_attention`` built;
 it validates nothing and re-derives no tiling. Numerics are those of ``quant-flash-attn.md``
-and of the golden torch path (``qfa.attention.torch_path``), per query row:
+and of the golden torch path (``qfa.attention.backends.torch_path``), per query row:
 
     for each block of BLOCK_N = 256 keys, ascending from key 0 of the sequence:
         S = Q @ K_j^T                 HiF8 codes decoded to fp16 (exact), fp32 accumulation

@@ -2,7 +2,7 @@
 
 ``forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table=None)`` runs a
 mode 1 / 6 :class:`~qfa.tiling.attention.AttentionPlan` with the contract and the numerics of
-the golden torch path (``qfa.attention.scaled_torch_path``), per query row over its visible keys
+the golden torch path (``qfa.attention.backends.scaled_torch_path``), per query row over its visible keys
 in blocks of ``plan.block_n`` = 512 keys, ascending from key 0 of the sequence:
 
     mode 1: S = Q' @ K'^T, with Q' = Q * 2^eq and K' = K * 2^ek per 32-channel group (exact)

@@ -95,7 +95,7 @@ class Layouts(NamedTuple):
 
 
 #: Modes 1 and 6: the layouts each operand may have (the first is the default), from
-#: ``quant-flash-attn-family.md``. MXFP8's PA_NZ is converted to PA_BNBD before planning
+#: ``docs/spec/quant-flash-attn.md``. MXFP8's PA_NZ is converted to PA_BNBD before planning
 #: (``qfa.attention.nz_layout``): the plan and the backends never see it.
 SCALED_MODE_LAYOUTS = {
     QuantMode.MXFP8: Layouts(q=("TND",), kv=("TND", "PA_BBND", "PA_BNBD", "PA_NZ"), out=("TND",),

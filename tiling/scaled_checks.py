@@ -1,6 +1,6 @@
 """The argument rules of quant_mode 1 (MXFP8) and 6 (FP8 E4M3 per-token-head).
 
-Shapes, dtypes and layouts are from ``shared/docs/quant-flash-attn-family.md``; the value
+Shapes, dtypes and layouts are from ``docs/spec/quant-flash-attn.md``; the value
 checks (``check_scaled_values``) are host reads, done where they cost no device synchronisation,
 and guard the ranges the numerics handle, as :func:`qfa.tiling.attention_checks.check_scale_values`
 does for the HiF8 mode. Every message names the argument, what was expected and what was given.

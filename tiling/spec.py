@@ -33,7 +33,7 @@ class MaskMode(enum.IntEnum):
 
 #: The head size of q, k and v in the HiF8 mode (and the FP8 mode).
 HEAD_DIM = 128
-#: Head sizes each mode takes (``quant-flash-attn-family.md``).
+#: Head sizes each mode takes (``docs/spec/quant-flash-attn.md``).
 HEAD_DIMS = {QuantMode.HIF8_PER_TENSOR: (HEAD_DIM,), QuantMode.MXFP8: (64, 72, 128, 256),
              QuantMode.FP8_PER_TOKEN_HEAD: (HEAD_DIM,)}
 #: Keys per online-softmax block: it changes the numbers (P is quantised relative to the running
