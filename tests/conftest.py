@@ -2,8 +2,13 @@
 Triton-backend tests can run on CPU tensors; the default backend on CPU stays the torch path."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# What pyproject's pythonpath gives the tests, for the scripts they run in subprocesses too.
+_HERE = Path(__file__).resolve().parent
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(_HERE), str(_HERE / "reference"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 import pytest  # noqa: E402
@@ -11,7 +16,7 @@ from hypothesis import settings  # noqa: E402
 
 from qfa import _compile  # noqa: E402
 
-# Property tests (tests/test_adversarial.py): a fixed, small example budget in CI; a longer
+# Property tests (tests/attention/test_adversarial.py): a fixed, small example budget in CI; a longer
 # search with QFA_HYPOTHESIS_PROFILE=long.
 settings.register_profile("ci", max_examples=12, derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("long", max_examples=300, deadline=None, print_blob=True)

@@ -4,7 +4,7 @@ Its fields, in order, are the custom op ``qfa::hif8_attention``'s schema (built 
 :func:`schema`), the eager computation takes one :class:`DropinCall`, the op's fake reads one,
 and the public :func:`qfa.hif8_attention` and :class:`qfa.HiF8Attention` take their defaults
 from its class attributes. So a default (``rotate``'s, say) or a name is written here and
-nowhere else; ``tests/test_custom_ops.py`` fails if anything drifts from it.
+nowhere else; ``tests/attention/test_custom_ops.py`` fails if anything drifts from it.
 
 ``format`` picks the number format the float inputs are quantised to (:data:`FORMATS`, each run
 by its ``quant_flash_attn`` mode, :data:`FORMAT_MODES`): HiF8 per-tensor (the default), MXFP8,

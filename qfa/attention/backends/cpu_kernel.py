@@ -36,7 +36,7 @@ HiF8-rounded P are exact in bf16 and the product of two is exact in fp32, so thi
 same numbers up to fp32 summation order. Each element is one chain over pairs of the summed index
 in ascending order (dims 2d, 2d + 1; keys 2j, 2j + 1), each step adding the pair's two exact
 products to the accumulator with at most two roundings: n terms, at most n roundings, as in the
-fp32 chains (tests/test_cpu_kernel_bf16.py derives its bounds from this). Tiles of 12 rows x 32
+fp32 chains (tests/attention/test_cpu_kernel_bf16.py derives its bounds from this). Tiles of 12 rows x 32
 columns, K in panels of 32 keys by dim pairs, V in slices of 32 dims by key pairs, both decoded
 straight to bf16; a block holding a value of V that is not finite runs the fp32 per-row kernel,
 as it does beside the fp32 tiles. ``QFA_BF16_DOT=0`` runs the fp32 tiles in the same build.

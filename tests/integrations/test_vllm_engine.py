@@ -1,5 +1,5 @@
 """qfa's vLLM plugin end to end: real engines on a tiny random Qwen2 (head_dim 128, made here),
-each scenario in its own process (tests/vllm_scenarios.py), tensor parallel over gloo, and the
+each scenario in its own process (tests/integrations/vllm_scenarios.py), tensor parallel over gloo, and the
 OpenAI-compatible server through the ``openai`` client on loopback."""
 
 from __future__ import annotations

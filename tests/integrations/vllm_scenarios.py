@@ -1,5 +1,5 @@
-"""Engine runs for tests/test_vllm_engine.py, one scenario per process (vLLM keeps process-wide
-state): ``python tests/vllm_scenarios.py SCENARIO MODEL TOKENIZER [ARG]`` prints one line
+"""Engine runs for tests/integrations/test_vllm_engine.py, one scenario per process (vLLM keeps process-wide
+state): ``python tests/integrations/vllm_scenarios.py SCENARIO MODEL TOKENIZER [ARG]`` prints one line
 ``RESULT {json}``. vLLM spawns its workers, hence the ``__main__`` guard."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Review of the native kernel's HiF8 decoder (affine rule per group of 8 magnitudes) and of its
-regions on torch's OpenMP team / the kernel's own pool (the late-worker fallback, the pool's
-CPU steering, fork, nesting, concurrency, items that raise).
+"""The native kernel's parallel regions on torch's OpenMP team and on its own pool: the late-worker
+fallback, the pool's CPU steering, fork, nesting, concurrency, items that raise.
 
 Each scenario that changes process-wide state (QFA_POOL, the thread count, signal handlers,
 affinity, a poisoned per-thread scratch, fork) runs in a subprocess of its own; the scripts
@@ -16,10 +15,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from qfa.attention.backends import cpu_kernel
-from qfa.cast import luts
 from test_cpu_kernel import needs_kernel
 
 pytestmark = needs_kernel
@@ -37,59 +33,6 @@ def _run(script: str, *argv: str, team: str = "", timeout: int = 300) -> subproc
 def _last_line(done: subprocess.CompletedProcess) -> str:
     lines = done.stdout.strip().splitlines()
     return lines[-1] if lines else ""
-
-
-# ---- the decoder ------------------------------------------------------------------------------
-
-def _table_with_descending_denormals() -> torch.Tensor:
-    """The HiF8 decode table with the values of magnitudes 1..7 (the denormals) reversed: still
-    bf16 patterns, zero at code 0, finite where HiF8 is, sign-symmetric, and affine in the low 3
-    bits of the magnitude within its group of 8, but with an xor of 7 (counting down): the fit
-    then has X[0] = 7, and code 0 is covered by the rule only if the rule's product is cleared too."""
-    bits = luts.decode_lut(torch.float32).clone()  # int32 patterns
-    mags = bits[1:8].clone()
-    bits[1:8] = mags.flip(0)
-    bits[0x81:0x88] = bits[1:8] | torch.tensor(-0x80000000, dtype=torch.int32)
-    return bits.view(torch.float32)
-
-
-def test_decoder_is_the_table_for_a_table_whose_first_group_counts_down():
-    """Code 0 (and the NaN code's magnitude) is not part of the fit, and the affine rule clears
-    only B for it: with X[0] != 0 the rule's M[0] * X[0] survives and +0 decodes to a tiny
-    positive number. The init must either cover code 0 or fall back to the table."""
-    table = _table_with_descending_denormals()
-    t = table.view(torch.int32)
-    assert t[0] == 0 and bool((t & 0xFFFF == 0).all())
-    assert torch.equal(t[0x81:0x100], t[1:0x80] | torch.tensor(-0x80000000, dtype=torch.int32))
-    mod = cpu_kernel._module
-    # Finite codes only: a range holding a NaN / Inf code is decoded again by table lookups.
-    codes = torch.tensor([c for c in range(256) if torch.isfinite(table[c])], dtype=torch.uint8).repeat(2)
-    assert codes[0] == 0 and len(codes) >= 64
-    for simd in (True, False):
-        got, finite = mod.decode_codes(codes, table, simd)
-        assert torch.equal(got.view(torch.int32), t[codes.long()]), (simd, got[:1].view(torch.int32))
-        assert finite
-
-
-def test_decoder_matches_the_table_for_every_run_of_codes_around_the_32_code_body():
-    """Every code at every position of the 32-code SIMD body, for lengths that end the body, the
-    non-finite re-decode of the body and the scalar tail at each offset: a NaN / Inf code inside
-    the body, only in the tail, or absent."""
-    table = luts.decode_lut(torch.float32).view(torch.float32)
-    bits = table.view(torch.int32)
-    mod = cpu_kernel._module
-    gen = torch.Generator().manual_seed(9)
-    finite_codes = torch.tensor([c for c in range(256) if torch.isfinite(table[c])], dtype=torch.uint8)
-    base = finite_codes[torch.randint(len(finite_codes), (100,), generator=gen)]
-    for special in (0x80, 0x6F, 0xEF, 0x00):
-        for at in (0, 5, 31, 32, 63, 64, 70):
-            codes = base.clone()
-            codes[at] = special
-            for start, n in ((0, 64), (1, 64), (0, 65), (3, 71), (0, 96), (33, 40)):
-                c = codes[start:start + n].contiguous()
-                got, finite = mod.decode_codes(c, table, True)
-                assert torch.equal(got.view(torch.int32), bits[c.long()]), (special, at, start, n)
-                assert finite == bool(torch.isfinite(table[c.long()]).all()), (special, at, start, n)
 
 
 # ---- the late-worker fallback -----------------------------------------------------------------
@@ -332,7 +275,7 @@ def nest_module_path():
         pytest.skip("no C++ compiler")
     from torch.utils.cpp_extension import load_inline
 
-    mod = load_inline(name="qfa_review2_nest", cpp_sources=[_NEST_SOURCE], functions=["call_inside_parallel_for", "omp_thread_ids"],
+    mod = load_inline(name="qfa_parallel_nest", cpp_sources=[_NEST_SOURCE], functions=["call_inside_parallel_for", "omp_thread_ids"],
                       extra_cflags=["-O1", "-fopenmp"], extra_ldflags=["-lgomp"], verbose=False)
     return mod.__file__
 
@@ -342,7 +285,7 @@ import importlib.util, sys, torch
 sys.path.insert(0, sys.argv[1])
 import test_cpu_kernel as t
 mod = t.cpu_kernel
-spec = importlib.util.spec_from_file_location("qfa_review2_nest", sys.argv[2])
+spec = importlib.util.spec_from_file_location("qfa_parallel_nest", sys.argv[2])
 nest = importlib.util.module_from_spec(spec); spec.loader.exec_module(nest)
 torch.set_num_threads(2)
 results = []
@@ -420,7 +363,7 @@ import ctypes, importlib.util, os, sys, threading, time, torch
 sys.path.insert(0, sys.argv[1])
 import test_cpu_kernel as t
 mod = t.cpu_kernel
-spec = importlib.util.spec_from_file_location("qfa_review2_nest", sys.argv[2])
+spec = importlib.util.spec_from_file_location("qfa_parallel_nest", sys.argv[2])
 nest = importlib.util.module_from_spec(spec); spec.loader.exec_module(nest)
 libc = ctypes.CDLL(None, use_errno=True)
 if not hasattr(libc, "tgkill"):

@@ -24,7 +24,7 @@ from qfa.dropin.call import DropinCall
 from qfa.cast import encode_to_hifloat8
 
 # The compiled paths are compared with eager ones, with the (default) Hadamard rotation off to
-# keep them small; tests/test_rotation.py compiles the rotated module.
+# keep them small; tests/dropin/test_rotation.py compiles the rotated module.
 hif8_attention = functools.partial(_hif8_attention, rotate=False)
 HiF8Attention = functools.partial(_HiF8Attention, rotate=False)
 

@@ -430,7 +430,7 @@ def test_suspicious_inputs_raise_clean_exceptions_in_a_fresh_interpreter():
                     clean += 1
         print("clean", clean)
     """)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == str(3 * len(TND_MUTATIONS)), done.stdout

@@ -38,7 +38,7 @@ from qfa.dropin.smoothing import key_means, prepare
 
 # These tests pin the quantise -> op -> dequantise plumbing against references built from the
 # un-rotated dequantised inputs, so they switch the (default) Hadamard rotation off;
-# tests/test_rotation.py covers the rotation.
+# tests/dropin/test_rotation.py covers the rotation.
 hif8_attention = functools.partial(_hif8_attention, rotate=False)
 HiF8Attention = functools.partial(_HiF8Attention, rotate=False)
 

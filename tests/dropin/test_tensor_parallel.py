@@ -367,5 +367,5 @@ def test_mse_has_no_reducible_form_and_a_user_rule_may_register_one():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -93,7 +93,7 @@ def test_upstreams_default_softmax_scale_is_one():
 
 @pytest.mark.parametrize("mode,dtype", [(1, "torch.float8_e8m0fnu"), (6, "torch.float32")])
 def test_other_quant_modes_take_their_own_dtypes(mode, dtype):
-    """Modes 1 and 6 exist (tests/test_attention_scaled_modes.py); here: upstream-style calls
+    """Modes 1 and 6 exist (tests/attention/test_attention_scaled_modes.py); here: upstream-style calls
     reach their checks, which name what each mode takes."""
     q = torch.zeros(4, 4, 128, dtype=torch.float8_e4m3fn)
     one = torch.ones(1, dtype=torch.bfloat16)

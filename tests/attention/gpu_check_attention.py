@@ -1,7 +1,7 @@
 """One-off CUDA check of the quant_flash_attn Triton kernel: not collected by pytest (no test_ prefix).
 
-    python tests/gpu_check_attention.py            # correctness + timing table, default launch
-    python tests/gpu_check_attention.py --sweep    # also try other CUDA launch options
+    python tests/attention/gpu_check_attention.py            # correctness + timing table, default launch
+    python tests/attention/gpu_check_attention.py --sweep    # also try other CUDA launch options
 
 On a CUDA device (TRITON_INTERPRET unset), for a few shapes it runs the Triton kernel and the torch
 path on the same HiF8 inputs and prints: the fraction of out elements within 1e-4 + 2^-7 |ref| (the

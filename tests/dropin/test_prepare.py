@@ -1,7 +1,7 @@
 """The native preparation (qfa.attention.backends.cpu_prepare / prepare): the same bits as the definitions.
 
 * The encoder at every SIMD level the CPU has, on every fp32 top-16-bit pattern with low-bit
-  variants (the bf16/fp16 patterns are exhaustive in tests/test_cast_encode.py), against the
+  variants (the bf16/fp16 patterns are exhaustive in tests/cast/test_cast_encode.py), against the
   torch path's table; ``quantize`` (x / scale, then the encode) and its saturated count.
 * The rotation's row kernel against its definition (the torch butterfly), every level, every
   dtype in and out; the butterfly against ``x @ hadamard(n)`` in float64.
