@@ -322,7 +322,25 @@ def test_build_is_keyed_by_cpu():
     if flags:  # a different flags line gives a different build
         import hashlib
 
-        assert hashlib.sha1(flags.encode() + torch.__version__.encode()).hexdigest()[:12] in name
+        want = hashlib.sha1(flags.encode() + torch.__version__.encode() + cpu_kernel.headers_digest())
+        assert want.hexdigest()[:12] in name
+
+
+def test_build_is_keyed_by_the_headers_the_source_includes(tmp_path, monkeypatch):
+    """torch's loader hashes the listed sources only: a changed header must change the build."""
+    from qfa.attention.backends import cpu_prepare
+
+    for path in cpu_kernel.SOURCE.parent.iterdir():
+        if path.suffix in (".cpp", ".h"):
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(cpu_kernel, "SOURCE", tmp_path / cpu_kernel.SOURCE.name)
+    before = cpu_kernel.build_name(), cpu_prepare.build_name()
+    header = sorted(tmp_path.glob("*.h"))[0]
+    header.write_text(header.read_text() + "\n// changed\n")
+    after = cpu_kernel.build_name(), cpu_prepare.build_name()
+    assert before[0] != after[0] and before[1] != after[1]
+    header.unlink()
+    assert cpu_kernel.build_name() not in (before[0], after[0])
 
 
 

@@ -195,12 +195,23 @@ def peak_gflops(kind: str, threads: int | None = None, seconds: float = 0.2) -> 
     return float(_module.peak_gflops(kind, threads, float(seconds)))
 
 
+def headers_digest() -> bytes:
+    """The content of the headers the sources include (``csrc/*.h``). torch's loader rebuilds
+    when a listed source or the flags change, but it lists no headers: they go into the name."""
+    digest = hashlib.sha1()
+    for header in sorted(SOURCE.parent.glob("*.h")):
+        digest.update(header.name.encode())
+        digest.update(header.read_bytes())
+    return digest.digest()
+
+
 def build_name() -> str:
-    """Extension name: capability plus a hash of the CPU flags and torch version (torch's loader
-    itself rebuilds when the source or the flags change)."""
+    """Extension name: capability plus a hash of the CPU flags, torch version and headers (torch's
+    loader itself rebuilds when the source or the flags change)."""
     digest = hashlib.sha1()
     digest.update(_cpu_flags().encode())
     digest.update(torch.__version__.encode())
+    digest.update(headers_digest())
     return f"qfa_cpu_attention_{cpu_capability().lower()}_{digest.hexdigest()[:12]}"
 
 

@@ -81,11 +81,12 @@ _failed = False
 
 
 def build_name() -> str:
-    """The extension's name: a hash of the CPU flags and the torch version (torch's loader itself
-    rebuilds when the source or the flags change)."""
+    """The extension's name: a hash of the CPU flags, the torch version and the shared headers
+    (torch's loader itself rebuilds when the source or the flags change)."""
     digest = hashlib.sha1()
     digest.update(cpu_kernel._cpu_flags().encode())
     digest.update(torch.__version__.encode())
+    digest.update(cpu_kernel.headers_digest())
     return f"qfa_cpu_prepare_{digest.hexdigest()[:12]}"
 
 
