@@ -1,0 +1,599 @@
+// One call's data and the walk of one work item: Call (the arguments as the kernel reads them:
+// codes, strides, lengths, scalars, the pre-decoded K / V), Item ((batch, kv head, query tile[,
+// key chunk])), the causal geometry (which rows see which keys), the few-row fused kernels of
+// decode, scores (a block's S by the kernel its shape takes), the online-softmax walk over an
+// item's blocks, a split item's pass 1 (chunk_max) and the rows' out and lse (finish). Which
+// thread runs an item, and when, is parallel_region.h's concern; forward builds the items.
+//
+// Only cpu_attention.cpp includes this header: the kernel is one translation unit, and the
+// anonymous namespace gives everything here the internal linkage it had when the kernel was one
+// file (nothing exported beside the entry points, the optimiser free to inline and drop as before).
+
+#pragma once
+
+#include "gemm_tiles_bf16.h"
+#include "gemm_tiles_fp32.h"
+#include "hif8_rounding.h"
+#include "kernel_config.h"
+#include "kv_decoder.h"
+#include "thread_scratch.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// ---- the call -------------------------------------------------------------------------------
+
+struct Call {
+  const uint8_t* q;
+  KvSrc k, v;
+  int64_t sq[4];  // element strides (batch, head, position, dim)
+  int16_t* out;    // bf16 bits, or
+  float* out_f32;  // O / l unrounded (the tests' view of the fp32 result), when out is fp32
+  int64_t so[4];
+  float* lse;  // nullptr when not returned
+  int64_t sl[3];  // (batch, head, position) strides of lse
+  int64_t heads_kv, group, dim, block_n;
+  std::vector<int64_t> q_starts, kv_starts, q_lens, kv_lens;
+  bool causal;
+  float dscale, ln_p, v_descale;
+  Decoder dec;
+  // Per batch, per (kv head, block): whether the pre-decoded V block is finite.
+  std::vector<std::vector<uint8_t>> v_finite;
+  RoundConsts rc;
+  // Pre-decoded fp32 K and V, per batch, or empty (decode on the fly): V (heads_kv, kv_len, dim);
+  // K the same, or with panel GEMMs as (heads_kv, blocks) of block_n x dim panels (see to_panels).
+  std::vector<float*> k_dec, v_dec;
+  // The same in bf16 (bf16 mode): K as (heads_kv, blocks) of bf16 panels, V as slices (see to_bpanels).
+  std::vector<uint16_t*> kb_dec, vb_dec;
+  bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
+  bool bf16 = false;        // ... as bf16 dot products (AVX512_BF16 builds, when asked)
+};
+
+struct Item {
+  int64_t b, h, t0, t1;  // query positions [t0, t1) of batch b, kv head h
+  int64_t c0, c1;        // key blocks [c0, c1)
+  int64_t slot;          // partial-state slot of a split item, -1 if not split
+  int64_t first;         // index of its item's first chunk in the split list (split items)
+  double cost;
+};
+
+inline at::Tensor wrap(float* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// Q tile rows in (position, group) order: row (i - t0) * G + g holds q head h * G + g.
+void load_q_rows(const Call& c, const Item& it, float* dst) {
+  const int64_t G = c.group;
+  for (int64_t i = it.t0; i < it.t1; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* p = c.q + it.b * c.sq[0] + (it.h * G + g) * c.sq[1] + (c.q_starts[it.b] + i) * c.sq[2];
+      float* d = dst + ((i - it.t0) * G + g) * c.dim;
+      c.dec.decode(p, c.sq[3], d, c.dim);
+    }
+  }
+}
+
+inline int64_t offset_of(const Call& c, int64_t b) { return c.kv_lens[b] - c.q_lens[b]; }
+
+// Keys the tile's last row sees (causal), or all of them.
+inline int64_t key_end(const Call& c, int64_t b, int64_t t1) {
+  return c.causal ? std::min(c.kv_lens[b], t1 + offset_of(c, b)) : c.kv_lens[b];
+}
+
+
+// Columns of a block of nk keys at j0 that any row of the item sees: the tile's last row sees
+// up to key t1 - 1 + offset; scores past that are never computed (their P is 0 either way).
+inline int64_t columns(const Call& c, const Item& it, int64_t j0, int64_t nk) {
+  if (!c.causal) return nk;
+  return std::max<int64_t>(0, std::min(nk, it.t1 + offset_of(c, it.b) - j0));
+}
+
+// ---- few-row blocks (decode): fused decode + dot products ----------------------------------------
+// With a handful of rows (new tokens x the GQA group), a GEMM call per block is mostly overhead
+// and the decode of K and V dominates. These kernels decode 8 keys at a time into an L1 buffer
+// and run the dot products from there, in a fixed order (lanes of 8 dims, then a fixed add
+// tree; keys in ascending order for P @ V). Whether a block takes this path depends only on
+// the item's shape, so the bits never depend on the thread count.
+constexpr int64_t kFusedRows = 16;
+constexpr int64_t kGroup = 8;  // keys per decoded group
+
+inline bool fused(const Call& c, int64_t rows) {
+#ifdef QFA_SIMD
+  return rows <= kFusedRows && c.dim == kFusedDim;
+#else
+  (void)c; (void)rows;
+  return false;
+#endif
+}
+
+// Rows of keys [g0, g0 + n) of the item's block at j0: pre-decoded (pre), or decoded into buf.
+inline const float* key_rows(const Call& c, const Item& it, const KvSrc& src, const float* pre, int64_t j0,
+                             int64_t g0, int64_t n, float* buf) {
+  if (pre) return pre + g0 * c.dim;
+  decode_rows(c.dec, c.dim, src, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, buf);
+  return buf;
+}
+
+#ifdef QFA_SIMD
+// A load the compiler keeps in a register: where one value feeds two FMAs, GCC otherwise folds
+// the load into both (two loads per value), and the few-row loops become load-bound.
+inline __m256 load_once(const float* p) {
+  __m256 v = _mm256_loadu_ps(p);
+  asm("" : "+x"(v));
+  return v;
+}
+
+// [sum(a0), ..., sum(a7)]
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0 (K pre-decoded or codes).
+void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int64_t lo, int64_t R, int64_t nc,
+              Scratch& sc, float* dst) {
+  constexpr int64_t D = kFusedDim;
+  const int64_t BN = c.block_n;
+  float* buf = sc.k.get();
+  for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
+    const int64_t n = std::min(kGroup, nc - g0);
+    const float* kr = key_rows(c, it, c.k, kpre, j0, g0, n, buf);
+    if (n < kGroup) {  // a short last group: pad with zero keys (their scores are not stored)
+      if (kr != buf) { std::memcpy(buf, kr, sizeof(float) * n * D); kr = buf; }
+      std::memset(buf + n * D, 0, sizeof(float) * (kGroup - n) * D);
+    }
+    // Two rows x four keys per pass (6 loads per 8 FMAs). Each dot product is its own lane-wise
+    // chain over the dims and the same add tree, whichever pass computes it.
+    int64_t r = lo;
+    for (; r + 2 <= R; r += 2) {
+      const float* q0 = sc.q.get() + r * D;
+      const float* q1 = q0 + D;
+      for (int64_t h = 0; h < kGroup; h += 4) {
+        const float* k = kr + h * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t x = 0; x < D; x += 8) {
+          const __m256 u = _mm256_loadu_ps(q0 + x), w = _mm256_loadu_ps(q1 + x);
+          __m256 kv = load_once(k + x);
+          a0 = _mm256_fmadd_ps(u, kv, a0); b0 = _mm256_fmadd_ps(w, kv, b0);
+          kv = load_once(k + D + x);
+          a1 = _mm256_fmadd_ps(u, kv, a1); b1 = _mm256_fmadd_ps(w, kv, b1);
+          kv = load_once(k + 2 * D + x);
+          a2 = _mm256_fmadd_ps(u, kv, a2); b2 = _mm256_fmadd_ps(w, kv, b2);
+          kv = load_once(k + 3 * D + x);
+          a3 = _mm256_fmadd_ps(u, kv, a3); b3 = _mm256_fmadd_ps(w, kv, b3);
+        }
+        alignas(32) float s[8];
+        _mm256_store_ps(s, hsum8(a0, a1, a2, a3, b0, b1, b2, b3));
+        const int64_t m = std::min<int64_t>(4, n - h);
+        for (int64_t j = 0; j < m; ++j) {
+          dst[(r - lo) * BN + g0 + h + j] = s[j];
+          dst[(r + 1 - lo) * BN + g0 + h + j] = s[4 + j];
+        }
+      }
+    }
+    for (; r < R; ++r) {
+      const float* q = sc.q.get() + r * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t x = 0; x < D; x += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + x);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + x), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + D + x), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 2 * D + x), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 3 * D + x), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 4 * D + x), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 5 * D + x), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 6 * D + x), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 7 * D + x), a7);
+      }
+      alignas(32) float s[8];
+      _mm256_store_ps(s, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+      std::memcpy(dst + (r - lo) * BN + g0, s, sizeof(float) * n);
+    }
+  }
+}
+#endif
+
+// The item's Q tile into sc.q, and as bf16 into sc.qb where its many-row blocks take bf16 dot
+// products (values exact in bf16).
+void load_q(const Call& c, const Item& it, Scratch& sc) {
+  load_q_rows(c, it, sc.q.get());
+#ifdef QFA_BF16_DOT
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  if (c.bf16 && !fused(c, R)) to_bf16(sc.q.get(), R * c.dim, sc.half(sc.qb));
+#endif
+}
+
+// Which kernels the last call's blocks ran (bits; the bench names them per row, the tests check
+// the bf16 path really ran): bf16 dot products, the AVX2 tiles or fused kernels, MKL / scalar.
+constexpr int kPathBf16 = 1, kPathAvx2 = 2, kPathScalar = 4;
+std::atomic<int> last_paths{0};
+inline void ran(int bit) {
+  if (!(last_paths.load(std::memory_order_relaxed) & bit)) last_paths.fetch_or(bit, std::memory_order_relaxed);
+}
+
+// Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
+// Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
+int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
+  const int64_t b = it.b, h = it.h, D = c.dim, BN = c.block_n;
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  const int64_t j0 = blk * BN, j1 = std::min(j0 + BN, c.kv_lens[b]);
+  const int64_t nk = j1 - j0;
+  const int64_t nc = columns(c, it, j0, nk);
+  const float* kpre = nullptr;
+  vblk = nullptr;  // decoded by the caller when needed
+  if (!c.k_dec.empty() && c.k_dec[b]) {
+    kpre = c.k_dec[b] + (h * c.kv_lens[b] + j0) * D;
+    if (!c.panel_gemm) vblk = c.v_dec[b] + (h * c.kv_lens[b] + j0) * D;  // (panel builds: V in slices)
+  }
+#ifdef QFA_SIMD
+  if (fused(c, R - lo)) {  // (with panel GEMMs the pre-decoded K is in panels: decode the codes)
+    qk_fused(c, it, c.panel_gemm ? nullptr : kpre, j0, lo, R, nc, sc, dst);
+    ran(kPathAvx2);
+    return nk;
+  }
+#ifdef QFA_BF16_DOT
+  if (c.bf16) {
+    const uint16_t* panels;
+    if (!c.kb_dec.empty() && c.kb_dec[b]) {
+      panels = c.kb_dec[b] + (h * ((c.kv_lens[b] + BN - 1) / BN) + blk) * BN * D;
+    } else {
+      decode_rows(c.dec, D, c.k, b, h, c.kv_starts[b], j0, j0 + nc, sc.half(sc.kb));
+      to_bpanels(sc.half(sc.kb), nc, sc.half(sc.kp));
+      panels = sc.half(sc.kp);
+    }
+    qk_bpanels(sc.half(sc.qb) + lo * D, R - lo, panels, nc, dst, BN);
+    ran(kPathBf16);
+    return nk;
+  }
+#endif
+  if (c.panel_gemm) {
+    if (kpre) {
+      kpre = c.k_dec[b] + (h * ((c.kv_lens[b] + BN - 1) / BN) + blk) * BN * D;
+    } else {
+      decode_rows(c.dec, D, c.k, b, h, c.kv_starts[b], j0, j0 + nc, sc.k.get());
+      to_panels(sc.k.get(), nc, sc.kp.get());
+      kpre = sc.kp.get();
+    }
+    qk_panels(sc.q.get() + lo * D, R - lo, kpre, nc, dst, BN);
+    ran(kPathAvx2);
+    return nk;
+  }
+#endif
+  ran(kPathScalar);
+  const float* kblk = kpre;
+  if (!kblk) {
+    decode_rows(c.dec, D, c.k, b, h, c.kv_starts[b], j0, j1, sc.k.get());
+    kblk = sc.k.get();
+  }
+  auto S = wrap(dst, R - lo, nc, BN);
+  at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nc, D, D).t());
+  return nk;
+}
+
+// Visible columns of row r in block blk (causal rows that cross the diagonal see a prefix).
+inline int64_t visible(const Call& c, const Item& it, int64_t r, int64_t j0, int64_t nk) {
+  if (!c.causal) return nk;
+  const int64_t pos = it.t0 + r / c.group;
+  return std::min(nk, pos + offset_of(c, it.b) - j0 + 1);
+}
+
+// First row of the item that sees any key of the block at j0 (causal rows skip earlier blocks).
+inline int64_t first_row(const Call& c, const Item& it, int64_t j0) {
+  if (!c.causal) return 0;
+  const int64_t r0 = std::max(it.t0, j0 - offset_of(c, it.b));
+  return std::min(r0, it.t1) - it.t0;
+}
+
+#ifdef QFA_SIMD
+// pv = P V for rows [lo, R) of the block at j0 (nk keys): row r sums its visible keys alone, in
+// ascending order, so a non-finite value reaches only the rows that see its key.
+void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int64_t nk, int64_t lo, int64_t R,
+              const float* p, Scratch& sc, float* pv) {
+  constexpr int64_t D = kFusedDim;
+  const int64_t BN = c.block_n;
+  std::memset(pv, 0, sizeof(float) * (R - lo) * D);
+  float* buf = sc.v.get();
+  // Each row's visible keys, once per block (visible() divides by the group).
+  int64_t vis_small[kFusedRows];
+  std::vector<int64_t> vis_big;
+  if (R - lo > kFusedRows) vis_big.resize(R - lo);
+  int64_t* vis = R - lo > kFusedRows ? vis_big.data() : vis_small;
+  int64_t vis_max = 0;
+  for (int64_t r = lo; r < R; ++r) {
+    vis[r - lo] = visible(c, it, r, j0, nk);
+    vis_max = std::max(vis_max, vis[r - lo]);
+  }
+  for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
+    const int64_t n = std::min(kGroup, vis_max - g0);
+    const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf);
+    // Two rows x 32 dims per pass (6 loads per 8 FMAs); each element is its row's chain over
+    // the keys in ascending order, whichever pass computes it.
+    int64_t r = lo;
+    for (; r < R; r += 2) {
+      const bool pair = r + 1 < R;
+      const int64_t n0 = std::max<int64_t>(0, std::min(n, vis[r - lo] - g0));
+      const int64_t n1 = pair ? std::max<int64_t>(0, std::min(n, vis[r + 1 - lo] - g0)) : 0;
+      const int64_t both = std::min(n0, n1);
+      const float* p0 = p + (r - lo) * BN + g0;
+      const float* p1 = p0 + BN;
+      float* o0 = pv + (r - lo) * D;
+      float* o1 = o0 + D;
+      for (int64_t x = 0; x < D; x += 32) {
+        __m256 a0 = _mm256_loadu_ps(o0 + x), a1 = _mm256_loadu_ps(o0 + x + 8), a2 = _mm256_loadu_ps(o0 + x + 16),
+               a3 = _mm256_loadu_ps(o0 + x + 24);
+        __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+        if (pair) {
+          b0 = _mm256_loadu_ps(o1 + x); b1 = _mm256_loadu_ps(o1 + x + 8); b2 = _mm256_loadu_ps(o1 + x + 16);
+          b3 = _mm256_loadu_ps(o1 + x + 24);
+        }
+        int64_t j = 0;
+        for (; j < both; ++j) {
+          const __m256 u = _mm256_broadcast_ss(p0 + j), w = _mm256_broadcast_ss(p1 + j);
+          const float* v = vr + j * D + x;
+          __m256 vv = load_once(v);
+          a0 = _mm256_fmadd_ps(u, vv, a0); b0 = _mm256_fmadd_ps(w, vv, b0);
+          vv = load_once(v + 8);
+          a1 = _mm256_fmadd_ps(u, vv, a1); b1 = _mm256_fmadd_ps(w, vv, b1);
+          vv = load_once(v + 16);
+          a2 = _mm256_fmadd_ps(u, vv, a2); b2 = _mm256_fmadd_ps(w, vv, b2);
+          vv = load_once(v + 24);
+          a3 = _mm256_fmadd_ps(u, vv, a3); b3 = _mm256_fmadd_ps(w, vv, b3);
+        }
+        for (int64_t jj = j; jj < n0; ++jj) {
+          const __m256 u = _mm256_broadcast_ss(p0 + jj);
+          const float* v = vr + jj * D + x;
+          a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v), a0); a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 8), a1);
+          a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 16), a2); a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 24), a3);
+        }
+        for (int64_t jj = j; jj < n1; ++jj) {
+          const __m256 w = _mm256_broadcast_ss(p1 + jj);
+          const float* v = vr + jj * D + x;
+          b0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), b0); b1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), b1);
+          b2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), b2); b3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), b3);
+        }
+        _mm256_storeu_ps(o0 + x, a0); _mm256_storeu_ps(o0 + x + 8, a1); _mm256_storeu_ps(o0 + x + 16, a2);
+        _mm256_storeu_ps(o0 + x + 24, a3);
+        if (pair) {
+          _mm256_storeu_ps(o1 + x, b0); _mm256_storeu_ps(o1 + x + 8, b1); _mm256_storeu_ps(o1 + x + 16, b2);
+          _mm256_storeu_ps(o1 + x + 24, b3);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Pass 1 of a split item: the running max its blocks contribute, per row, into mx (R floats).
+// With a store (R x block_n floats per block of the chunk), the scores are kept for pass 2.
+void chunk_max(const Call& c, const Item& it, Scratch& sc, float* mx, float* store) {
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  for (int64_t r = 0; r < R; ++r) mx[r] = kNegInf;
+  for (int64_t blk = it.c0; blk < it.c1; ++blk) {
+    const int64_t j0 = blk * c.block_n;
+    const int64_t lo = first_row(c, it, j0) * c.group;
+    if (lo >= R) continue;
+    const float* vblk;
+    float* dst = store ? store + (blk - it.c0) * R * c.block_n : sc.s.get();
+    const int64_t nk = scores(c, it, blk, lo, sc, dst, vblk);
+    for (int64_t r = lo; r < R; ++r) {
+      const int64_t nv = visible(c, it, r, j0, nk);
+      const float rm = row_max(dst + (r - lo) * c.block_n, nv);
+      mx[r] = max_nan(mx[r], rm * c.dscale - c.ln_p);
+    }
+  }
+}
+
+// The online-softmax walk of the item's blocks from running max m (R floats, updated), with l, O
+// and the product of its alphas (prod, for the merge of split items) from l = 0, O = 0, prod = 1.
+// ``store``: the scores pass 1 kept (then K is not read again), or nullptr.
+void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
+  const int64_t D = c.dim, BN = c.block_n;
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  float* m = sc.m.get();
+  float* l = sc.l.get();
+  float* o = sc.o.get();
+  float* prod = sc.prod.get();
+  float* alpha = sc.alpha.get();
+  float* rsum = sc.rsum.get();
+  for (int64_t r = 0; r < R; ++r) { l[r] = 0.f; prod[r] = 1.f; }
+  std::memset(o, 0, sizeof(float) * R * D);
+  for (int64_t blk = it.c0; blk < it.c1; ++blk) {
+    const int64_t j0 = blk * BN;
+    const int64_t lo = first_row(c, it, j0) * c.group;
+    if (lo >= R) continue;
+    const float* vblk = nullptr;
+    float* sblk = sc.s.get();
+    int64_t nk;
+    if (store) {
+      sblk = store + (blk - it.c0) * R * BN;
+      nk = std::min(j0 + BN, c.kv_lens[it.b]) - j0;
+      if (!c.panel_gemm && !c.v_dec.empty() && c.v_dec[it.b])
+        vblk = c.v_dec[it.b] + (it.h * c.kv_lens[it.b] + j0) * D;
+    } else {
+      nk = scores(c, it, blk, lo, sc, sblk, vblk);
+    }
+    const int64_t nc = columns(c, it, j0, nk);
+#ifdef QFA_BF16_DOT
+    const bool bf16_block = c.bf16 && !fused(c, R - lo);
+    const int64_t ncp = (nc + 1) & ~int64_t(1);  // P V sums key pairs: an odd count ends with a zero P
+#endif
+    for (int64_t r = lo; r < R; ++r) {
+      float* s = sblk + (r - lo) * BN;
+      const int64_t nv = visible(c, it, r, j0, nk);
+      const float rm = row_max(s, nv);
+      const float m_new = max_nan(m[r], rm * c.dscale - c.ln_p);
+      // Rows that have seen no key keep m = -inf; subtract 0 there so exp gives 0, not NaN.
+      const float m_safe = m_new == kNegInf ? 0.f : m_new;
+      // One pass: exponent (S * dScale - m, rounded twice as in the torch path), exp, row sum.
+      const Vec vd(c.dscale), vm(m_safe);
+      Vec acc(0.f);
+      int64_t j = 0;
+      for (; j + Vec::size() <= nv; j += Vec::size()) {
+        const Vec p = (Vec::loadu(s + j) * vd - vm).exp();
+        p.store(s + j);
+        acc = acc + p;
+      }
+      float sum = 0.f;
+      {
+        alignas(64) float tmp[Vec::size()];
+        acc.store(tmp);
+        for (int i = 0; i < Vec::size(); ++i) sum += tmp[i];
+      }
+      if (j < nv) {
+        (Vec::loadu(s + j, nv - j) * vd - vm).exp().store(s + j, nv - j);
+        for (; j < nv; ++j) sum += s[j];
+      }
+#ifdef QFA_BF16_DOT
+      if (bf16_block) {
+        round_to_bf16(s, nv, ncp, c.rc, sc.half(sc.pb) + (r - lo) * BN);
+      } else
+#endif
+      {
+        round_row(s, nv, c.rc);
+        for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
+      }
+      alpha[r] = m[r] - m_safe;
+      rsum[r] = sum;
+      m[r] = m_new;
+    }
+    exp_inplace(alpha + lo, R - lo);
+    for (int64_t r = lo; r < R; ++r) l[r] = alpha[r] * l[r] + rsum[r];
+    bool done = false;
+#ifdef QFA_SIMD
+    if (fused(c, R - lo)) {
+      pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
+      done = true;
+#ifdef QFA_BF16_DOT
+    } else if (bf16_block) {
+      // As the fp32 tiles: a block holding a value that is not finite runs pv_fused (fp32 P,
+      // each row over its visible keys), which decodes the codes itself.
+      const uint16_t* slices = nullptr;
+      bool finite;
+      if (!c.vb_dec.empty() && c.vb_dec[it.b]) {
+        const int64_t at_ = it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk;
+        slices = c.vb_dec[it.b] + at_ * BN * D;
+        finite = c.v_finite[it.b][at_] != 0;
+      } else {
+        finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.half(sc.vb));
+        if (finite) {
+          to_bslices(sc.half(sc.vb), nc, sc.half(sc.vs), BN * kBPanel);
+          slices = sc.half(sc.vs);
+        }
+      }
+      if (finite) {
+        pv_bpanels(sc.half(sc.pb), R - lo, BN, slices, BN * kBPanel, ncp / 2, sc.pv.get());
+      } else {
+        pv_fused(c, it, nullptr, j0, nk, lo, R, sblk, sc, sc.pv.get());
+        ran(kPathAvx2);
+      }
+      done = true;
+#endif
+    } else if (c.panel_gemm) {
+      // A value that is not finite must reach only the rows that see its key (0 * NaN is NaN):
+      // such a block (rare) runs pv_fused, which sums each row's visible keys; same bits otherwise.
+      const float* slices = nullptr;
+      bool finite;
+      if (!c.v_dec.empty() && c.v_dec[it.b]) {
+        const int64_t at_ = it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk;
+        slices = c.v_dec[it.b] + at_ * BN * D;
+        finite = c.v_finite[it.b][at_] != 0;
+        vblk = nullptr;  // pv_fused decodes the codes
+      } else {
+        finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.v.get());
+        vblk = sc.v.get();
+        if (finite) {
+          to_slices(vblk, nc, sc.vs.get(), BN * kPanel);
+          slices = sc.vs.get();
+        }
+      }
+      if (finite) {
+        pv_panels(sblk, R - lo, BN, slices, BN * kPanel, nc, sc.pv.get());
+      } else {
+        pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
+      }
+      done = true;
+    }
+#endif
+    if (!done) {
+      // A value that is not finite (Inf/NaN codes) must reach only the rows that see its key:
+      // in a GEMM, P = 0 times NaN is NaN. Such a block (rare) sums each row's visible keys alone.
+      bool finite;
+      if (!vblk) {
+        finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nk, sc.v.get());
+        vblk = sc.v.get();
+      } else {
+        finite = c.v_finite[it.b][it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk] != 0;
+      }
+      if (finite) {
+        auto PV = wrap(sc.pv.get(), R - lo, D, D);
+        at::mm_out(PV, wrap(sblk, R - lo, nc, BN), wrap(const_cast<float*>(vblk), nc, D, D));
+      } else {
+        for (int64_t r = lo; r < R; ++r) {
+          float* acc = sc.pv.get() + (r - lo) * D;
+          std::fill(acc, acc + D, 0.f);
+          const float* prow = sblk + (r - lo) * BN;
+          for (int64_t j = 0; j < visible(c, it, r, j0, nk); ++j)
+            for (int64_t x = 0; x < D; ++x) acc[x] += prow[j] * vblk[j * D + x];
+        }
+      }
+    }
+    const Vec vds(c.v_descale);
+    for (int64_t r = lo; r < R; ++r) {
+      const Vec a(alpha[r]);
+      float* orow = o + r * D;
+      const float* prow = sc.pv.get() + (r - lo) * D;
+      for (int64_t x = 0; x < D; x += Vec::size())
+        (Vec::loadu(orow + x) * a + Vec::loadu(prow + x) * vds).store(orow + x);
+      prod[r] = prod[r] * alpha[r];
+    }
+  }
+}
+
+// Out and lse of the item's rows from the final (m, l, O): O / l as bf16 (ties away) and
+// m + ln l. Whether a row sees a key is structural (lengths, causal edge), never read from l:
+// rows that see none get 0 and +inf; a row whose visible scores are all -inf has l = 0 and
+// gets 0 / 0 = NaN (lse -inf), as the exact softmax and the torch path do.
+void finish(const Call& c, const Item& it, const float* m, const float* l, const float* o, float* logl) {
+  const int64_t G = c.group, D = c.dim;
+  const int64_t R = (it.t1 - it.t0) * G;
+  std::memcpy(logl, l, sizeof(float) * R);
+  int64_t j = 0;
+  for (; j + Vec::size() <= R; j += Vec::size()) Vec::loadu(logl + j).log().store(logl + j);
+  if (j < R) Vec::loadu(logl + j, R - j).log().store(logl + j, R - j);
+  const int64_t qs = c.q_starts[it.b];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = it.t0 + r / G, n = it.h * G + r % G;
+    const int64_t at = it.b * c.so[0] + n * c.so[1] + (qs + i) * c.so[2];
+    const bool seen = c.kv_lens[it.b] > 0 && (!c.causal || i + offset_of(c, it.b) >= 0);
+    const float* orow = o + r * D;
+    if (c.out_f32) {
+      for (int64_t x = 0; x < D; ++x) c.out_f32[at + x * c.so[3]] = seen ? orow[x] / l[r] : 0.f;
+    } else {
+      for (int64_t x = 0; x < D; ++x) c.out[at + x * c.so[3]] = seen ? bf16_half_away(orow[x] / l[r]) : int16_t(0);
+    }
+    if (c.lse) c.lse[it.b * c.sl[0] + n * c.sl[1] + (qs + i) * c.sl[2]] = seen ? m[r] + logl[r] : kInf;
+  }
+}
+
+std::vector<int64_t> by_cost(const std::vector<Item>& items) {
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+  return order;
+}
+
+
+struct Partial {
+  std::vector<float> m, l, prod, o;
+};
+
+}  // namespace

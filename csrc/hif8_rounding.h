@@ -1,0 +1,243 @@
+// HiF8 rounding of P and the softmax's row helpers: the bit rule of qfa/cast/rounding.py on fp32
+// bit patterns (scalar, 8 and 16 lanes, every width the same bits), the row maximum with torch's
+// NaN propagation, the vectorised exp, and the bf16 conversions of the kernel's values (exact
+// values, HiF8 codes' and rounded P's, to bf16 for the dot products; the output's O / l rounded
+// ties away). These are the numerics every path shares: the tiles and the walk only call them.
+//
+// Only cpu_attention.cpp includes this header: the kernel is one translation unit, and the
+// anonymous namespace gives everything here the internal linkage it had when the kernel was one
+// file (nothing exported beside the entry points, the optimiser free to inline and drop as before).
+
+#pragma once
+
+#include "kernel_config.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// ---- HiF8 rounding of P (the bit rule of qfa/cast/rounding.py; constants passed in) ----------
+
+struct RoundConsts {
+  int32_t band[3];        // |e| limits for 1, 2, 3 kept mantissa bits
+  int32_t min_denormal;   // bit patterns
+  int32_t underflow;
+  int32_t max_bits;
+  int32_t nan_bits;
+};
+
+RoundConsts round_consts_of(const std::vector<int64_t>& v) {
+  TORCH_CHECK(v.size() == 7, "round_consts: 7 values");
+  return RoundConsts{{int32_t(v[0]), int32_t(v[1]), int32_t(v[2])}, int32_t(v[3]), int32_t(v[4]), int32_t(v[5]),
+                     int32_t(v[6])};
+}
+
+inline int32_t round_hif8_bits(int32_t bits, const RoundConsts& c) {
+  const int32_t a = bits & 0x7FFF0000;
+  const int32_t cl = a < c.max_bits ? a : c.max_bits;
+  int32_t e = (cl >> 23) - 127;
+  e = e < 0 ? -e : e;
+  const int32_t m = (e <= c.band[0]) + (e <= c.band[1]) + (e <= c.band[2]);
+  const int32_t half = (1 << 22) >> m;
+  int32_t r = (cl + half) & -(half + half);
+  const int32_t below = cl >= c.underflow ? c.min_denormal : 0;
+  r = cl < c.min_denormal ? below : r;
+  r = a == 0x7F800000 ? a : r;
+  r = r == 0 ? r : (r | (bits & static_cast<int32_t>(0x80000000u)));
+  return a > 0x7F800000 ? c.nan_bits : r;
+}
+
+inline void round_row_scalar(float* p, int64_t n, const RoundConsts& c) {
+  int32_t* b = reinterpret_cast<int32_t*>(p);
+  for (int64_t j = 0; j < n; ++j) b[j] = round_hif8_bits(b[j], c);
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// round_hif8_bits on 8 lanes, step for step (signed compares are safe: every operand is a
+// non-negative magnitude below 2^31).
+struct RoundVec {
+  __m256i band_p1[3], min_denormal, underflow_m1, max_bits, nan_bits, inf_bits, mag_mask, sign_mask;
+  explicit RoundVec(const RoundConsts& c) {
+    for (int i = 0; i < 3; ++i) band_p1[i] = _mm256_set1_epi32(c.band[i] + 1);
+    min_denormal = _mm256_set1_epi32(c.min_denormal);
+    underflow_m1 = _mm256_set1_epi32(c.underflow - 1);
+    max_bits = _mm256_set1_epi32(c.max_bits);
+    nan_bits = _mm256_set1_epi32(c.nan_bits);
+    inf_bits = _mm256_set1_epi32(0x7F800000);
+    mag_mask = _mm256_set1_epi32(0x7FFF0000);
+    sign_mask = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
+  }
+  inline __m256 operator()(__m256 x) const {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i a = _mm256_and_si256(bits, mag_mask);
+    const __m256i cl = _mm256_min_epi32(a, max_bits);
+    const __m256i e = _mm256_abs_epi32(_mm256_sub_epi32(_mm256_srli_epi32(cl, 23), _mm256_set1_epi32(127)));
+    // m = number of bands with e <= band[i]: each true compare is -1.
+    const __m256i neg_m = _mm256_add_epi32(_mm256_add_epi32(_mm256_cmpgt_epi32(band_p1[0], e),
+                                                            _mm256_cmpgt_epi32(band_p1[1], e)),
+                                           _mm256_cmpgt_epi32(band_p1[2], e));
+    const __m256i m = _mm256_sub_epi32(_mm256_setzero_si256(), neg_m);
+    const __m256i half = _mm256_srlv_epi32(_mm256_set1_epi32(1 << 22), m);
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(cl, half),
+                                 _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(half, half)));
+    const __m256i below = _mm256_and_si256(_mm256_cmpgt_epi32(cl, underflow_m1), min_denormal);
+    r = _mm256_blendv_epi8(r, below, _mm256_cmpgt_epi32(min_denormal, cl));
+    r = _mm256_blendv_epi8(r, a, _mm256_cmpeq_epi32(a, inf_bits));
+    const __m256i nonzero = _mm256_xor_si256(_mm256_cmpeq_epi32(r, _mm256_setzero_si256()), _mm256_set1_epi32(-1));
+    r = _mm256_or_si256(r, _mm256_and_si256(nonzero, _mm256_and_si256(bits, sign_mask)));
+    r = _mm256_blendv_epi8(r, nan_bits, _mm256_cmpgt_epi32(a, inf_bits));
+    return _mm256_castsi256_ps(r);
+  }
+};
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The same steps on 16 lanes, with mask registers for the compares and blends.
+struct RoundVec16 {
+  __m512i band_p1[3], min_denormal, underflow_m1, max_bits, nan_bits, inf_bits, mag_mask, sign_mask;
+  explicit RoundVec16(const RoundConsts& c) {
+    for (int i = 0; i < 3; ++i) band_p1[i] = _mm512_set1_epi32(c.band[i] + 1);
+    min_denormal = _mm512_set1_epi32(c.min_denormal);
+    underflow_m1 = _mm512_set1_epi32(c.underflow - 1);
+    max_bits = _mm512_set1_epi32(c.max_bits);
+    nan_bits = _mm512_set1_epi32(c.nan_bits);
+    inf_bits = _mm512_set1_epi32(0x7F800000);
+    mag_mask = _mm512_set1_epi32(0x7FFF0000);
+    sign_mask = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  }
+  inline __m512i operator()(__m512i bits) const {
+    const __m512i a = _mm512_and_si512(bits, mag_mask);
+    const __m512i cl = _mm512_min_epi32(a, max_bits);
+    const __m512i e = _mm512_abs_epi32(_mm512_sub_epi32(_mm512_srli_epi32(cl, 23), _mm512_set1_epi32(127)));
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i m = _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(band_p1[0], e), one);
+    m = _mm512_mask_add_epi32(m, _mm512_cmpgt_epi32_mask(band_p1[1], e), m, one);
+    m = _mm512_mask_add_epi32(m, _mm512_cmpgt_epi32_mask(band_p1[2], e), m, one);
+    const __m512i half = _mm512_srlv_epi32(_mm512_set1_epi32(1 << 22), m);
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(cl, half),
+                                 _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(half, half)));
+    const __m512i below = _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(cl, underflow_m1), min_denormal);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(min_denormal, cl), below);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(a, inf_bits), a);
+    r = _mm512_mask_or_epi32(r, _mm512_test_epi32_mask(r, r), r, _mm512_and_si512(bits, sign_mask));
+    return _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, inf_bits), nan_bits);
+  }
+};
+#endif
+
+// HiF8 rounding of a row of P in place: 16 lanes at a time where the build has AVX-512, 8 where
+// it has AVX2, the same bit rule in scalar code for the tail (and everywhere else).
+inline void round_row(float* p, int64_t n, const RoundConsts& c, bool simd = true) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+  if (simd && n >= 16) {
+    const RoundVec16 rv(c);
+    int32_t* b = reinterpret_cast<int32_t*>(p);
+    for (; j + 16 <= n; j += 16) _mm512_storeu_si512(b + j, rv(_mm512_loadu_si512(b + j)));
+  }
+#endif
+  if (simd && n - j >= 8) {
+    const RoundVec rv(c);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, rv(_mm256_loadu_ps(p + j)));
+  }
+#else
+  (void)simd;
+#endif
+  round_row_scalar(p + j, n - j, c);
+}
+
+// IEEE maximum (NaN propagates), as torch.maximum / amax.
+inline float max_nan(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
+  return a > b ? a : b;
+}
+
+inline float row_max(const float* s, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // 16 lanes, the tail by a masked load; NaN tracked apart (maxps does not propagate it), the
+  // lanes reduced by a tree: the same value (only the sign of a zero maximum may differ, which
+  // no later step can see: exp(x - 0) and m + ln l are the same bits for either zero).
+  __m512 acc = _mm512_set1_ps(kNegInf);
+  __mmask16 nan = 0;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(s + j);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(acc, x);
+  }
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), m, s + j);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(acc, x);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(acc);
+#else
+  int64_t j = 0;
+  float mx = kNegInf;
+  if (n >= Vec::size()) {
+    Vec acc(kNegInf);
+    for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(s + j));
+    alignas(64) float tmp[Vec::size()];
+    acc.store(tmp);
+    for (int i = 0; i < Vec::size(); ++i) mx = max_nan(mx, tmp[i]);
+  }
+  for (; j < n; ++j) mx = max_nan(mx, s[j]);
+  return mx;
+#endif
+}
+
+// exp over a contiguous array with the vectorised exp inductor uses (Sleef u10), tail included.
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) Vec::loadu(x + j).exp().store(x + j);
+  if (j < n) Vec::loadu(x + j, n - j).exp().store(x + j, n - j);
+}
+
+#ifdef QFA_BF16_DOT
+// n fp32 values whose low halves are zero (HiF8 values, rounded P) to bf16, by their high halves.
+inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
+  const int32_t* b = reinterpret_cast<const int32_t*>(x);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(b + j), 16)));
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + j, m, _mm512_srli_epi32(_mm512_maskz_loadu_epi32(m, b + j), 16));
+  }
+}
+
+// P's HiF8 rounding of n values in place, zeros from n to n_pad (a multiple of 2), and the
+// rounded row as bf16 into dst: one pass for round_row, the zero fill and to_bf16.
+inline void round_to_bf16(float* p, int64_t n, int64_t n_pad, const RoundConsts& c, uint16_t* dst) {
+  const RoundVec16 rv(c);
+  int32_t* b = reinterpret_cast<int32_t*>(p);
+  for (int64_t j = 0; j < n_pad; j += 16) {
+    const int64_t left = std::min<int64_t>(16, n - j);
+    const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
+    const __m512i r = _mm512_maskz_mov_epi32(live, rv(_mm512_maskz_loadu_epi32(live, b + j)));
+    _mm512_mask_storeu_epi32(b + j, out, r);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
+  }
+}
+#endif
+
+// O / l to the output's bf16: ties away from zero, NaN as 0x7FC0.
+inline int16_t bf16_half_away(float x) {
+  if (std::isnan(x)) return static_cast<int16_t>(0x7FC0);
+  int32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return static_cast<int16_t>((bits + 0x8000) >> 16);
+}
+
+}  // namespace
