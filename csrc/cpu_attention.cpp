@@ -1,4 +1,4 @@
-// quant_flash_attn's torch backend on CPU in one parallel region: see qfa/attention/cpu_kernel.py
+// quant_flash_attn's torch backend on CPU in one parallel region: see qfa/attention/backends/cpu_kernel.py
 // for the numerics and the contract. Built per CPU capability (the flags come from Python).
 //
 // Work items are (batch, kv head, query tile[, key chunk]). A worker runs its item alone: its
@@ -41,7 +41,7 @@
 #include <tuple>
 #include <vector>
 
-// See qfa/attention/cpu_kernel.py for the arguments.
+// See qfa/attention/backends/cpu_kernel.py for the arguments.
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> strides,
              at::Tensor& out, std::vector<int64_t> out_strides, at::Tensor& lse, std::vector<int64_t> lse_strides,
              int64_t heads_kv, int64_t group, int64_t dim, int64_t block_n, std::vector<int64_t> q_starts,
@@ -571,5 +571,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the bf16 dot-product kernels");
   m.def("peak_kinds", &peak_kinds, "the kinds peak_gflops measures in this build");
   m.def("peak_gflops", &peak_gflops, "GFLOP/s of independent FMA / bf16 dot chains on threads at once");
-  m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/cpu_kernel.py)");
+  m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/backends/cpu_kernel.py)");
 }

@@ -1,4 +1,4 @@
-// The drop-in's preparation and the HiF8 cast on CPU: see qfa/attention/cpu_prepare.py for the
+// The drop-in's preparation and the HiF8 cast on CPU: see qfa/attention/backends/cpu_prepare.py for the
 // contract and qfa/attention/prepare.py for how the drop-in uses it.
 //
 // One binary for every x86-64 CPU: nothing here is compiled with -m flags; the SIMD functions
@@ -24,7 +24,7 @@
 // late thread at its end sends the passes of the next 2 s to the calling thread alone.
 
 // A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header:
-// the first build takes about a second. The Python side (qfa/attention/cpu_prepare.py) checks the
+// the first build takes about a second. The Python side (qfa/attention/backends/cpu_prepare.py) checks the
 // tensors and passes their data pointers.
 #include <omp.h>
 #include <pthread.h>

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <limits>
 
-// The AVX512_BF16 build (-mavx512bf16, chosen by qfa/attention/cpu_kernel.py from the CPU's
+// The AVX512_BF16 build (-mavx512bf16, chosen by qfa/attention/backends/cpu_kernel.py from the CPU's
 // flags): the many-row blocks' two GEMMs run as bf16 dot products (see gemm_tiles_bf16.h).
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define QFA_BF16_DOT 1
