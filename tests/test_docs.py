@@ -203,3 +203,10 @@ def test_spec_constants_are_the_codes(page):
     assert len(rows) >= 10
     for name, value, code in rows:
         assert same(evaluate(code), evaluate(value)), f"{page}: {name} is {evaluate(code)!r} in {code}, not {value}"
+
+
+def test_design_names_every_csrc_header_and_only_those():
+    """design.md's table of the native kernel's headers stays the folder's."""
+    rows = table("design.md", "The native CPU kernel")
+    named = {row[0].strip("`") for row in rows if row[0].startswith("`")}
+    assert named == {p.name for p in (ROOT / "csrc").glob("*.h")}
