@@ -55,7 +55,26 @@ struct Call {
   std::vector<uint16_t*> kb_dec, vb_dec;
   bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
   bool bf16 = false;        // ... as bf16 dot products (AVX512_BF16 builds, when asked)
+  // quant_modes 1 and 6 (0: HiF8): E4M3 codes (dec.e4m3) and P rounded to E4M3. Mode 1's E8M0
+  // scales are folded into Q (q_e8m0, per (token, head) ceil(D/32) scales at q_st = (token,
+  // head) strides) and into K and V at decode (KvSrc::sbase). Mode 6's fp32 scales are applied
+  // where the torch path applies them: S per row by q_f32 (q_st: (head, token)) and per column
+  // by k_f32 (kst: (block, head, position in block), through K's block table); P8 V per head.
+  int mode = 0;
+  const uint8_t* q_e8m0 = nullptr;
+  const float* e8m0 = nullptr;
+  const float* q_f32 = nullptr;
+  const float* k_f32 = nullptr;
+  int64_t q_st[2] = {0, 0}, kst[3] = {0, 0, 0};
+  std::vector<float> v_descale_h;  // per kv head (mode 0: v_descale for every head)
+  std::vector<int64_t> v_scale_starts;  // mode 1, contiguous V: per batch, its scales' first key
 };
+
+// Mode 6: the q_descale of each row of the item this thread is running (load_q sets it).
+inline std::vector<float>& q_row_scale() {
+  thread_local std::vector<float> scale;
+  return scale;
+}
 
 struct Item {
   int64_t b, h, t0, t1;  // query positions [t0, t1) of batch b, kv head h
@@ -77,7 +96,18 @@ void load_q_rows(const Call& c, const Item& it, float* dst) {
       const uint8_t* p = c.q + it.b * c.sq[0] + (it.h * G + g) * c.sq[1] + (c.q_starts[it.b] + i) * c.sq[2];
       float* d = dst + ((i - it.t0) * G + g) * c.dim;
       c.dec.decode(p, c.sq[3], d, c.dim);
+      if (c.q_e8m0) {
+        const uint8_t* sp = c.q_e8m0 + (c.q_starts[it.b] + i) * c.q_st[0] + (it.h * G + g) * c.q_st[1];
+        for (int64_t x = 0; x < c.dim; ++x) d[x] = d[x] * c.e8m0[sp[x / 32]];
+      }
     }
+  }
+  if (c.q_f32) {
+    std::vector<float>& rs = q_row_scale();
+    rs.resize((it.t1 - it.t0) * G);
+    for (int64_t i = it.t0; i < it.t1; ++i)
+      for (int64_t g = 0; g < G; ++g)
+        rs[(i - it.t0) * G + g] = c.q_f32[(it.h * G + g) * c.q_st[0] + (c.q_starts[it.b] + i) * c.q_st[1]];
   }
 }
 
@@ -222,7 +252,7 @@ inline void ran(int bit) {
 
 // Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
 // Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
-int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
+int64_t scores_of(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
   const int64_t b = it.b, h = it.h, D = c.dim, BN = c.block_n;
   const int64_t R = (it.t1 - it.t0) * c.group;
   const int64_t j0 = blk * BN, j1 = std::min(j0 + BN, c.kv_lens[b]);
@@ -276,6 +306,32 @@ int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& 
   }
   auto S = wrap(dst, R - lo, nc, BN);
   at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nc, D, D).t());
+  return nk;
+}
+
+// scores_of, then mode 6's scales as the torch path applies them: S * (q_descale[i] * k_descale[j]).
+int64_t scores(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratch& sc, float* dst, const float*& vblk) {
+  const int64_t nk = scores_of(c, it, blk, lo, sc, dst, vblk);
+  if (!c.k_f32) return nk;
+  const int64_t BN = c.block_n, j0 = blk * BN;
+  const int64_t R = (it.t1 - it.t0) * c.group;
+  const int64_t nc = columns(c, it, j0, nk);
+  thread_local std::vector<float> ks;
+  ks.resize(BN);
+  for (int64_t j = 0; j < nc; ++j) {
+    const int64_t key = j0 + j;
+    const int64_t b = c.k.table ? c.k.table[it.b * c.k.table_stride + key / c.k.block_size] : it.b;
+    const int64_t pos = c.k.table ? key % c.k.block_size : c.kv_starts[it.b] + key;
+    ks[j] = c.k_f32[b * c.kst[0] + it.h * c.kst[1] + pos * c.kst[2]];
+  }
+  const std::vector<float>& rs = q_row_scale();
+  for (int64_t r = lo; r < R; ++r) {
+    float* s = dst + (r - lo) * BN;
+    const Vec f(rs[r]);
+    int64_t j = 0;
+    for (; j + Vec::size() <= nc; j += Vec::size()) (Vec::loadu(s + j) * (f * Vec::loadu(ks.data() + j))).store(s + j);
+    for (; j < nc; ++j) s[j] = s[j] * (rs[r] * ks[j]);
+  }
   return nk;
 }
 
@@ -454,11 +510,19 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       }
 #ifdef QFA_BF16_DOT
       if (bf16_block) {
-        round_to_bf16(s, nv, ncp, c.rc, sc.half(sc.pb) + (r - lo) * BN);
+        if (c.mode) {
+          round_to_bf16_e4m3(s, nv, ncp, sc.half(sc.pb) + (r - lo) * BN);
+        } else {
+          round_to_bf16(s, nv, ncp, c.rc, sc.half(sc.pb) + (r - lo) * BN);
+        }
       } else
 #endif
       {
-        round_row(s, nv, c.rc);
+        if (c.mode) {
+          round_row_e4m3(s, nv);
+        } else {
+          round_row(s, nv, c.rc);
+        }
         for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
       }
       alpha[r] = m[r] - m_safe;
@@ -546,7 +610,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
         }
       }
     }
-    const Vec vds(c.v_descale);
+    const Vec vds(c.v_descale_h[it.h]);
     for (int64_t r = lo; r < R; ++r) {
       const Vec a(alpha[r]);
       float* orow = o + r * D;

@@ -48,8 +48,13 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
              double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
              std::vector<int64_t> round_consts, int64_t tile_rows, int64_t split_rows, int64_t chunk_blocks, int64_t predecode_bytes,
-             int64_t store_bytes, const at::Tensor& block_table, int64_t block_size, bool bf16, bool fill) {
+             int64_t store_bytes, const at::Tensor& block_table, int64_t block_size, bool bf16, bool fill,
+             int64_t quant_mode, const at::Tensor& e8m0_table, const at::Tensor& q_scale,
+             std::vector<int64_t> q_scale_strides, const at::Tensor& k_scale, std::vector<int64_t> k_scale_desc,
+             const at::Tensor& v_scale, std::vector<int64_t> v_scale_desc, std::vector<int64_t> v_scale_starts,
+             const at::Tensor& v_descale_heads) {
   TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
+  TORCH_CHECK(quant_mode == 0 || quant_mode == 1 || quant_mode == 6, "quant_mode must be 0, 1 or 6");
   TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
   TORCH_CHECK(dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
   TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
@@ -88,7 +93,46 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   c.q_starts = q_starts; c.kv_starts = kv_starts; c.q_lens = q_lens; c.kv_lens = kv_lens;
   c.causal = causal;
   c.dscale = static_cast<float>(dscale); c.ln_p = static_cast<float>(ln_p); c.v_descale = static_cast<float>(v_descale);
-  c.dec.init(decode_table.data_ptr<float>());
+  c.dec.init(decode_table.data_ptr<float>(), quant_mode != 0);
+  c.mode = static_cast<int>(quant_mode);
+  c.v_descale_h.assign(heads_kv, c.v_descale);
+  if (quant_mode == 6) {
+    // q_descale (Nq, Tq), k_descale (blocks, Nkv, block size) fp32 at the given strides; v per head.
+    TORCH_CHECK(q_scale.dtype() == at::kFloat && k_scale.dtype() == at::kFloat && v_descale_heads.dtype() == at::kFloat &&
+                v_descale_heads.numel() == heads_kv && v_descale_heads.is_contiguous() &&
+                q_scale_strides.size() == 2 && k_scale_desc.size() == 3, "mode 6 scales: fp32 tensors and their strides");
+    c.q_f32 = q_scale.data_ptr<float>();
+    c.k_f32 = k_scale.data_ptr<float>();
+    for (int i = 0; i < 2; ++i) c.q_st[i] = q_scale_strides[i];
+    for (int i = 0; i < 3; ++i) c.kst[i] = k_scale_desc[i];
+    c.v_descale_h.assign(v_descale_heads.data_ptr<float>(), v_descale_heads.data_ptr<float>() + heads_kv);
+  } else if (quant_mode == 1) {
+    // E8M0 scales as uint8: q (Tq, Nq, ceil(D/32)) at q_scale_strides; K and V in place, each
+    // described by (batch or block, head, position, pos_div, pair_st, el_st, per) (KvSrc::sbase).
+    TORCH_CHECK(q_scale.dtype() == at::kByte && k_scale.dtype() == at::kByte && v_scale.dtype() == at::kByte &&
+                e8m0_table.dtype() == at::kFloat && e8m0_table.numel() == 256 && e8m0_table.is_contiguous() &&
+                q_scale_strides.size() == 2 && k_scale_desc.size() == 7 && v_scale_desc.size() == 7 &&
+                v_scale_starts.size() == kv_starts.size(), "mode 1 scales: uint8 E8M0 tensors and their layout");
+    TORCH_CHECK(dim <= kMaxScaledDim, "mode 1: head_dim at most ", kMaxScaledDim);
+    c.e8m0 = e8m0_table.data_ptr<float>();
+    c.q_e8m0 = q_scale.data_ptr<uint8_t>();
+    for (int i = 0; i < 2; ++i) c.q_st[i] = q_scale_strides[i];
+    const std::vector<int64_t>* descs[2] = {&k_scale_desc, &v_scale_desc};
+    const at::Tensor* scales[2] = {&k_scale, &v_scale};
+    KvSrc* srcs[2] = {&c.k, &c.v};
+    for (int x = 0; x < 2; ++x) {
+      const std::vector<int64_t>& d = *descs[x];
+      KvSrc& src = *srcs[x];
+      src.sbase = scales[x]->data_ptr<uint8_t>();
+      for (int i = 0; i < 3; ++i) src.sst[i] = d[i];
+      src.pos_div = d[3]; src.pair_st = d[4]; src.el_st = d[5]; src.per = d[6];
+      src.e8m0 = c.e8m0;
+      TORCH_CHECK(src.pos_div >= 1 && src.per >= 1, "mode 1: scale layout");
+    }
+    c.k.sstart = c.kv_starts.data();
+    c.v_scale_starts = v_scale_starts;
+    c.v.sstart = c.v_scale_starts.data();
+  }
   c.rc = round_consts_of(round_consts);
 #ifdef QFA_SIMD
   c.panel_gemm = dim == kFusedDim && block_n % kPanel == 0;
@@ -389,11 +433,12 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
 
 // The kernel's decoder on its own, for the tests: fp32 values of a 1-D uint8 tensor of codes, read
 // from byte ``offset`` on (the SIMD body and the scalar tail both run), and whether all are finite.
-std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd) {
+std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd,
+                                          bool e4m3 = false) {
   TORCH_CHECK(codes.dtype() == at::kByte && codes.dim() == 1 && codes.is_contiguous(), "codes: contiguous 1-D uint8");
   TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
   Decoder dc;
-  dc.init(decode_table.data_ptr<float>());
+  dc.init(decode_table.data_ptr<float>(), e4m3);
   dc.simd = dc.simd && simd;
   at::Tensor out = at::empty({codes.numel()}, at::kFloat);
   const bool finite = dc.decode(codes.data_ptr<uint8_t>(), 1, out.data_ptr<float>(), codes.numel());
@@ -409,6 +454,47 @@ at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool 
   round_row(out.data_ptr<float>(), out.numel(), rc, simd);
   return out;
 }
+
+// The same for quant_modes 1 and 6: E4M3 codes (decode_codes' decoder in its E4M3 form), and
+// whether its SIMD rule runs for this table.
+std::tuple<at::Tensor, bool> decode_e4m3_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd) {
+  return decode_codes(codes, decode_table, simd, true);
+}
+
+bool simd_e4m3_decoder(const at::Tensor& decode_table) {
+  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
+  Decoder dc;
+  dc.init(decode_table.data_ptr<float>(), true);
+  return dc.simd;
+}
+
+// The kernel's E4M3 rounding of P on its own (tests): 16 / 8 lanes and the scalar tail, or the
+// scalar rule alone; bf16: the bf16 dot products' fused rounding (AVX512_BF16 builds), its
+// fp32 result.
+at::Tensor round_p_e4m3(const at::Tensor& x, bool simd, bool bf16) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 1, "x: 1-D fp32");
+  at::Tensor out = x.contiguous().clone();
+  const int64_t n = out.numel();
+#ifdef QFA_BF16_DOT
+  if (bf16) {
+    std::vector<uint16_t> half(n + 2);
+    round_to_bf16_e4m3(out.data_ptr<float>(), n, n, half.data());
+    for (int64_t j = 0; j < n; ++j) {
+      uint32_t bits = uint32_t(half[j]) << 16, got;
+      std::memcpy(&got, out.data_ptr<float>() + j, 4);
+      TORCH_CHECK(got == bits || std::isnan(out.data_ptr<float>()[j]), "round_to_bf16_e4m3: bf16 copy differs");
+    }
+    return out;
+  }
+#else
+  TORCH_CHECK(!bf16, "bf16: needs the AVX512_BF16 build");
+#endif
+  round_row_e4m3(out.data_ptr<float>(), n, simd);
+  return out;
+}
+
+// The width of the build's fp32 vectors: head dims must be a multiple of it.
+int64_t vec_width() { return Vec::size(); }
 
 // The team of the last region a call ran, and how many threads entered it (tests).
 std::tuple<std::string, int64_t> last_region() {
@@ -562,7 +648,12 @@ bool simd_decoder(const at::Tensor& decode_table) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_codes", &decode_codes, "HiF8 codes to fp32 with the kernel's decoder (tests)");
+  m.def("decode_codes", &decode_codes, "HiF8 codes to fp32 with the kernel's decoder (tests)", py::arg("codes"),
+        py::arg("decode_table"), py::arg("simd"), py::arg("e4m3") = false);
+  m.def("decode_e4m3_codes", &decode_e4m3_codes, "E4M3 codes to fp32 with the kernel's decoder (tests)");
+  m.def("simd_e4m3_decoder", &simd_e4m3_decoder, "whether the SIMD E4M3 decoder runs for this table (tests)");
+  m.def("round_p_e4m3", &round_p_e4m3, "E4M3 rounding of P with the kernel's code (tests)");
+  m.def("vec_width", &vec_width, "fp32 lanes of the build's vectors (head dims are a multiple)");
   m.def("round_p", &round_p, "HiF8 rounding of P with the kernel's code (tests)");
   m.def("simd_decoder", &simd_decoder, "whether the SIMD decoder runs for this table (tests)");
   m.def("last_region", &last_region, "the last region's team and the threads that entered it (tests)");

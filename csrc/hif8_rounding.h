@@ -1,4 +1,4 @@
-// HiF8 rounding of P and the softmax's row helpers: the bit rule of qfa/cast/rounding.py on fp32
+// HiF8 rounding of P (E4M3's too, for quant_modes 1 and 6) and the softmax's row helpers: the bit rule of qfa/cast/rounding.py on fp32
 // bit patterns (scalar, 8 and 16 lanes, every width the same bits), the row maximum with torch's
 // NaN propagation, the vectorised exp, and the bf16 conversions of the kernel's values (exact
 // values, HiF8 codes' and rounded P's, to bf16 for the dot products; the output's O / l rounded
@@ -154,6 +154,64 @@ inline void round_row(float* p, int64_t n, const RoundConsts& c, bool simd = tru
   round_row_scalar(p + j, n - j, c);
 }
 
+// ---- E4M3 rounding of P (quant_modes 1 and 6): qfa.cast.fp8.on_e4m3_grid step for step ---------
+// Clamp to +-448 (NaN passes: min/max return their second operand when either is NaN), the
+// binade read from the exponent field and clamped to [-6, 8] (subnormals share 2^-6's quantum
+// 2^-9), then round(y * 2^(3 - e)) * 2^(e - 3), half to even: both scalings are exact, so every
+// width gives the same bits as the torch path's rounding.
+
+inline float round_e4m3(float y) {
+  if (std::isnan(y)) return y;
+  y = y > 448.f ? 448.f : (y < -448.f ? -448.f : y);
+  int32_t bits;
+  std::memcpy(&bits, &y, 4);
+  const int32_t e = std::min(std::max((bits >> 23) & 0xFF, 121), 135);  // biased, binades -6 .. 8
+  const int32_t up_bits = (257 - e) << 23, down_bits = (e - 3) << 23;
+  float up, down;
+  std::memcpy(&up, &up_bits, 4);
+  std::memcpy(&down, &down_bits, 4);
+  return std::nearbyint(y * up) * down;
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+inline __m256 round_e4m3_8(__m256 y) {
+  y = _mm256_max_ps(_mm256_set1_ps(-448.f), _mm256_min_ps(_mm256_set1_ps(448.f), y));
+  __m256i e = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 23), _mm256_set1_epi32(0xFF));
+  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(121)), _mm256_set1_epi32(135));
+  const __m256 up = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(257), e), 23));
+  const __m256 down = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(3)), 23));
+  return _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(y, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512 round_e4m3_16(__m512 y) {
+  y = _mm512_max_ps(_mm512_set1_ps(-448.f), _mm512_min_ps(_mm512_set1_ps(448.f), y));
+  __m512i e = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(y), 23), _mm512_set1_epi32(0xFF));
+  e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(121)), _mm512_set1_epi32(135));
+  const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(257), e), 23));
+  const __m512 down = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(3)), 23));
+  return _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(y, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                       down);
+}
+#endif
+
+// E4M3 rounding of a row of P in place (16, 8 lanes, the scalar rule for the tail).
+inline void round_row_e4m3(float* p, int64_t n, bool simd = true) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (simd)
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(p + j, round_e4m3_16(_mm512_loadu_ps(p + j)));
+#endif
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if (simd)
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, round_e4m3_8(_mm256_loadu_ps(p + j)));
+#else
+  (void)simd;
+#endif
+  for (; j < n; ++j) p[j] = round_e4m3(p[j]);
+}
+
 // IEEE maximum (NaN propagates), as torch.maximum / amax.
 inline float max_nan(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
@@ -227,6 +285,21 @@ inline void round_to_bf16(float* p, int64_t n, int64_t n_pad, const RoundConsts&
     const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
     const __m512i r = _mm512_maskz_mov_epi32(live, rv(_mm512_maskz_loadu_epi32(live, b + j)));
     _mm512_mask_storeu_epi32(b + j, out, r);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
+  }
+}
+#endif
+
+#ifdef QFA_BF16_DOT
+// round_to_bf16 with P's E4M3 rounding (E4M3 values are bf16 values: 4 significant bits, binades
+// -9 .. 8).
+inline void round_to_bf16_e4m3(float* p, int64_t n, int64_t n_pad, uint16_t* dst) {
+  for (int64_t j = 0; j < n_pad; j += 16) {
+    const int64_t left = std::min<int64_t>(16, n - j);
+    const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
+    const __m512i r = _mm512_maskz_mov_epi32(live, _mm512_castps_si512(round_e4m3_16(_mm512_maskz_loadu_ps(live, p + j))));
+    _mm512_mask_storeu_epi32(p + j, out, r);
     _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
   }
 }

@@ -1,4 +1,4 @@
-// HiF8 codes to values: the Decoder (the 256-entry table, and on AVX2 / AVX-512 builds its affine
+// HiF8 (and E4M3) codes to values: the Decoder (the 256-entry table, and on AVX2 / AVX-512 builds its affine
 // vpshufb rule, fitted to that table at init; to fp32 or to bf16 patterns), where K and V codes lie
 // (KvSrc: strided, or paged through a block table; read in place), and decode_rows, which decodes
 // a run of keys with prefetching. Nothing here knows a call or an item: the walk, prefill's
@@ -38,16 +38,23 @@ namespace {
 struct Decoder {
   float table[256];
   bool simd = false;
+  bool e4m3 = false;  // the codes are E4M3 (quant_modes 1 and 6), not HiF8
 #ifdef QFA_SIMD
   __m256i xor_t, mul_t, base_t;  // X, M and B by H, repeated in both 128-bit lanes
+  __m256i den_hi, den_lo;        // E4M3: the bf16 bytes of the subnormal magnitudes 0 .. 7
 #endif
 
   // Codes the affine rule leaves to the table.
   static bool special(int m) { return m == 0 || m == 0x6F; }
   static bool nonfinite(int code) { return code == 0x80 || (code & 0x7F) == 0x6F; }
 
-  void init(const float* t) {
+  void init(const float* t, bool e4m3_codes = false) {
     std::memcpy(table, t, sizeof(table));
+    e4m3 = e4m3_codes;
+    if (e4m3) {
+      init_e4m3();
+      return;
+    }
     uint32_t bits[256];
     std::memcpy(bits, t, sizeof(bits));
     bool ok = bits[0] == 0;
@@ -92,6 +99,75 @@ struct Decoder {
 #endif
   }
 
+  // E4M3 (quant_modes 1 and 6): sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7F / 0xFF
+  // NaN, no Inf. A normal magnitude m (exponent field > 0) is the bf16 magnitude (m << 4) +
+  // 0x3C00 (exponent rebiased by 120, mantissa in place); the 7 subnormals and zero are looked up
+  // (vpshufb) in bytes taken from the table. The rule is then run on all 256 codes and checked
+  // against the table, NaN codes flagged, so it is the table's, as the HiF8 fit is.
+  void init_e4m3() {
+    uint32_t bits[256];
+    std::memcpy(bits, table, sizeof(bits));
+    bool ok = true;
+    for (int x = 0; x < 256; ++x) {
+      ok = ok && (bits[x] & 0xFFFFu) == 0;
+      ok = ok && std::isfinite(table[x]) == ((x & 0x7F) != 0x7F);
+    }
+    simd = false;
+#ifdef QFA_SIMD
+    if (!ok) return;
+    alignas(32) uint8_t hi[32], lo[32];
+    for (int x = 0; x < 32; ++x) {
+      hi[x] = static_cast<uint8_t>(bits[x % 8] >> 24);
+      lo[x] = static_cast<uint8_t>(bits[x % 8] >> 16);
+    }
+    den_hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+    den_lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+    uint8_t codes[256];
+    for (int x = 0; x < 256; ++x) codes[x] = static_cast<uint8_t>(x);
+    for (int x0 = 0; x0 < 256 && ok; x0 += 32) {
+      alignas(32) uint16_t got[32];
+      alignas(32) uint8_t bad[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bad), decode32_bf16<true>(codes + x0, got));
+      for (int i = 0; i < 32; ++i) {
+        const int x = x0 + i;
+        ok = ok && (bad[i] != 0) == !std::isfinite(table[x]);
+        ok = ok && (bad[i] != 0 || got[i] == static_cast<uint16_t>(bits[x] >> 16));
+      }
+    }
+    simd = ok;
+#else
+    (void)ok;
+#endif
+  }
+
+#ifdef QFA_SIMD
+  // words32 for E4M3 codes (same lane order and mask).
+  inline __m256i words32_e4m3(const uint8_t* p, __m256i& w0, __m256i& w1) const {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(0x7F));
+    const __m256i sub = _mm256_cmpgt_epi8(_mm256_set1_epi8(8), m);  // exponent field 0
+    // (16-bit shifts, masked back to bytes)
+    const __m256i hi_n = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(m, 4), _mm256_set1_epi8(0x0F)),
+                                         _mm256_set1_epi8(0x3C));
+    const __m256i lo_n = _mm256_and_si256(_mm256_slli_epi16(m, 4), _mm256_set1_epi8(static_cast<char>(0xF0)));
+    const __m256i hi = _mm256_or_si256(_mm256_blendv_epi8(hi_n, _mm256_shuffle_epi8(den_hi, m), sub),
+                                       _mm256_and_si256(c, _mm256_set1_epi8(static_cast<char>(0x80))));
+    const __m256i lo = _mm256_blendv_epi8(lo_n, _mm256_shuffle_epi8(den_lo, m), sub);
+    w0 = _mm256_unpacklo_epi8(lo, hi);
+    w1 = _mm256_unpackhi_epi8(lo, hi);
+    return _mm256_cmpeq_epi8(m, _mm256_set1_epi8(0x7F));
+  }
+
+  template <bool E4M3>
+  inline __m256i words(const uint8_t* p, __m256i& w0, __m256i& w1) const {
+    if constexpr (E4M3) {
+      return words32_e4m3(p, w0, w1);
+    } else {
+      return words32(p, w0, w1);
+    }
+  }
+#endif
+
 #ifdef QFA_SIMD
   // 32 contiguous codes to their bf16 patterns: w0 holds codes 0-7 (low lane) and 16-23 (high
   // lane), w1 codes 8-15 and 24-31. Returns a mask, nonzero where a code is not finite (whose
@@ -118,9 +194,10 @@ struct Decoder {
   }
 
   // 32 contiguous codes to fp32 (the bf16 patterns widened); the mask as words32's.
+  template <bool E4M3 = false>
   inline __m256i decode32(const uint8_t* p, float* d) const {
     __m256i w0, w1;
-    const __m256i bad = words32(p, w0, w1);
+    const __m256i bad = words<E4M3>(p, w0, w1);
     const __m256i z = _mm256_setzero_si256();
     const __m256i f0 = _mm256_unpacklo_epi16(z, w0), f1 = _mm256_unpackhi_epi16(z, w0);
     const __m256i f2 = _mm256_unpacklo_epi16(z, w1), f3 = _mm256_unpackhi_epi16(z, w1);
@@ -132,9 +209,10 @@ struct Decoder {
   }
 
   // 32 contiguous codes to bf16; the mask as words32's.
+  template <bool E4M3 = false>
   inline __m256i decode32_bf16(const uint8_t* p, uint16_t* d) const {
     __m256i w0, w1;
-    const __m256i bad = words32(p, w0, w1);
+    const __m256i bad = words<E4M3>(p, w0, w1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm256_permute2x128_si256(w0, w1, 0x20));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm256_permute2x128_si256(w0, w1, 0x31));
     return bad;
@@ -156,7 +234,11 @@ struct Decoder {
 #ifdef QFA_SIMD
     if (st == 1 && simd) {
       __m256i bad = _mm256_setzero_si256();
-      for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32_bf16(p + x, d + x));
+      if (e4m3) {
+        for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32_bf16<true>(p + x, d + x));
+      } else {
+        for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32_bf16(p + x, d + x));
+      }
       if (!_mm256_testz_si256(bad, bad)) {
         for (int64_t i = 0; i < x; ++i) d[i] = bf16_of(p[i]);
         finite = false;
@@ -175,7 +257,11 @@ struct Decoder {
 #ifdef QFA_SIMD
       if (simd) {
         __m256i bad = _mm256_setzero_si256();
-        for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32(p + x, d + x));
+        if (e4m3) {
+          for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32<true>(p + x, d + x));
+        } else {
+          for (; x + 32 <= n; x += 32) bad = _mm256_or_si256(bad, decode32(p + x, d + x));
+        }
         if (!_mm256_testz_si256(bad, bad)) {  // NaN or Inf (rare): the table's values
           for (int64_t i = 0; i < x; ++i) d[i] = table[p[i]];
           finite = false;
@@ -207,7 +293,74 @@ struct KvSrc {
   }
   // Keys after j that lie at a constant stride from it (the rest of its block, if paged).
   inline int64_t run_after(int64_t j) const { return table ? block_size - 1 - j % block_size : INT64_MAX; }
+
+  // MXFP8 (quant_mode 1): each key row's E8M0 scales, read in place in upstream's paired layout
+  // (sbase nullptr: none). Element x of key j's row is multiplied by e8m0[s[(x / per) * el_st]],
+  // s = scale_row(j): K one scale per 32 channels (per 32), V one per channel and 32 keys (per
+  // 1; 64 keys to a row of pairs, pos_div 64, the pair's half at (position / 32) % 2). A power of
+  // two times an E4M3 value is exact in fp32: the products are the torch path's operands.
+  const uint8_t* sbase = nullptr;
+  int64_t sst[3] = {0, 0, 0};  // (batch or block, head, position / pos_div) strides of the scales
+  int64_t pos_div = 1, pair_st = 0, el_st = 1, per = 32;
+  const int64_t* sstart = nullptr;  // contiguous K/V: per batch, the scales' first position
+  const float* e8m0 = nullptr;      // the 256 E8M0 values
+  inline const uint8_t* scale_row(int64_t b, int64_t h, int64_t j) const {
+    int64_t blk = b, pos = sstart ? sstart[b] + j : j;
+    if (table) { blk = table[b * table_stride + j / block_size]; pos = j % block_size; }
+    const uint8_t* s = sbase + blk * sst[0] + h * sst[1] + (pos / pos_div) * sst[2];
+    return pos_div > 1 ? s + ((pos / 32) % 2) * pair_st : s;
+  }
 };
+
+// The most elements a scaled row may hold (quant_mode 1's head dims go up to 256).
+constexpr int64_t kMaxScaledDim = 256;
+
+// decode_rows for K/V with E8M0 scales: the row decoded to fp32, times its scales (expanded
+// once per distinct scale row: V's cover 32 keys), to bf16 by truncation where T is (exact: the
+// caller runs bf16 only where every scaled value is a normal bf16). Finite: the codes' and the
+// scales' (448 x the largest scale the plan allows is finite, so no product overflows).
+template <typename T>
+inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src, int64_t b, int64_t h,
+                               int64_t start, int64_t j0, int64_t j1, T* dst) {
+  alignas(64) float fs[kMaxScaledDim];
+  alignas(64) float row[kMaxScaledDim];
+  const uint8_t* last = nullptr;
+  bool scales_finite = true, finite = true;
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* p = src.row(b, h, start, j);
+    float* d;
+    if constexpr (std::is_same<T, float>::value) {
+      d = dst + (j - j0) * dim;
+    } else {
+      d = row;
+    }
+    finite = dc.decode(p, src.st[3], d, dim) && finite;
+    const uint8_t* sp = src.scale_row(b, h, j);
+    if (src.per > 1) {  // K: a few scales per row, each over a run of channels
+      for (int64_t x0 = 0; x0 < dim; x0 += src.per) {
+        const float f = src.e8m0[sp[(x0 / src.per) * src.el_st]];
+        scales_finite = scales_finite && !std::isnan(f);
+        const int64_t x1 = std::min(dim, x0 + src.per);
+        for (int64_t x = x0; x < x1; ++x) d[x] = d[x] * f;
+      }
+    } else {  // V: one scale per channel, the same row of them for 32 keys
+      if (sp != last) {
+        last = sp;
+        for (int64_t x = 0; x < dim; ++x) {
+          fs[x] = src.e8m0[sp[x * src.el_st]];
+          scales_finite = scales_finite && !std::isnan(fs[x]);
+        }
+      }
+      for (int64_t x = 0; x < dim; ++x) d[x] = d[x] * fs[x];
+    }
+    if constexpr (!std::is_same<T, float>::value) {
+      const uint32_t* u = reinterpret_cast<const uint32_t*>(row);
+      T* o = dst + (j - j0) * dim;
+      for (int64_t x = 0; x < dim; ++x) o[x] = static_cast<T>(u[x] >> 16);
+    }
+  }
+  return finite && scales_finite;
+}
 
 constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
 
@@ -216,6 +369,7 @@ constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
 template <typename T>
 inline bool decode_rows(const Decoder& dc, int64_t dim, const KvSrc& src, int64_t b, int64_t h, int64_t start,
                         int64_t j0, int64_t j1, T* dst) {
+  if (src.sbase) return decode_rows_scaled(dc, dim, src, b, h, start, j0, j1, dst);
   bool finite = true;
   for (int64_t j = j0; j < j1;) {
     const uint8_t* p = src.row(b, h, start, j);

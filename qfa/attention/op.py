@@ -112,8 +112,10 @@ def quant_flash_attn(
     In both, P is cast to E4M3 (nearest even, saturating at 448) with ``p_scale`` in [1, 448]:
     prefer values on the E4M3 grid (1, 104, 448), since a p_scale on a rounding midpoint (100)
     makes each row's largest P depend on exp's last bit. Softmax blocks are 512 keys
-    (``qfa.tiling.spec.KEY_BLOCK``). Unset layouts are the mode's defaults. They run on the torch
-    path on CPU (:mod:`qfa.attention.backends.scaled_torch_path`) and the Triton kernel on devices.
+    (``qfa.tiling.spec.KEY_BLOCK``). Unset layouts are the mode's defaults. They run on the native
+    kernel on CPU (:func:`qfa.attention.backends.cpu_kernel.forward_scaled`; the torch path,
+    :mod:`qfa.attention.backends.scaled_torch_path`, where it is not built, with ``QFA_NATIVE=0``,
+    or for a head dim its vectors do not divide) and the Triton kernel on devices.
 
     Args:
         q, k, v: HiF8 codes (``torch.uint8``, or ``torch_npu.hifloat8``) in one layout:
@@ -189,8 +191,9 @@ def quant_flash_attn(
         return plan.new_outputs()
     if plan.meta.quant_mode != QuantMode.HIF8_PER_TENSOR:
         with torch.no_grad():
-            return _scaled_backend(plan, backend).forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale,
-                                                          block_table=block_table)
+            kernel = _scaled_backend(plan, backend)
+            run = kernel.forward_scaled if kernel is cpu_kernel else kernel.forward
+            return run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table=block_table)
     if q.dtype != torch.uint8:  # the plan checked that q, k and v share one HiF8 dtype
         q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
     kernel = _backend(plan, backend)
@@ -215,9 +218,12 @@ def _backend(plan: AttentionPlan, requested: str | None):
 
 
 def _scaled_backend(plan: AttentionPlan, requested: str | None):
-    """Modes 1 and 6: the Triton kernel on devices, the torch path on CPU (no native kernel)."""
+    """Modes 1 and 6: the Triton kernel on devices; on CPU the native kernel where it builds and
+    takes the head dim (``cpu_kernel.forward_scaled``), else the torch path (same contract)."""
     if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import scaled_attention as kernel
+    elif cpu_kernel.supports_scaled(plan):
+        kernel = cpu_kernel
     else:
         from qfa.attention.backends import scaled_torch_path as kernel
     return kernel

@@ -336,6 +336,7 @@ def _table_of(plan: AttentionPlan, block_table: torch.Tensor | None) -> torch.Te
 
 
 _NO_TABLE = torch.empty(0, 0, dtype=torch.int32)
+_NO_SCALE = torch.empty(0)
 
 
 def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
@@ -362,5 +363,142 @@ def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale,
         plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale.item(), _decode_table(),
         _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table,
-        plan.block_size, bool(bf16), fill,
+        plan.block_size, bool(bf16), fill, 0, _NO_SCALE, _NO_SCALE, [], _NO_SCALE, [], _NO_SCALE, [], [], _NO_SCALE,
     )
+
+
+# ---- quant_modes 1 (MXFP8) and 6 (FP8 per-token-head) -------------------------------------------
+# The numerics of qfa.attention.backends.scaled_torch_path (the golden reference of these modes),
+# on the same kernel: the same items, region, key chunks and GEMM tiles, with E4M3 codes decoded
+# from a 256-entry table (vpshufb for the subnormals), P rounded to E4M3 and 512-key softmax
+# blocks (the plan's block_n). Mode 1 folds its E8M0 scales into Q, K and V as they are decoded
+# (a power of two times an E4M3 value is exact in fp32, so these are the torch path's operands);
+# mode 6 scales S per row and column and P8 V per head, where the torch path does. Paged K/V and
+# its scales are read in place through the block table.
+
+#: The bf16 dot products need every scaled value of mode 1 to be a normal bf16 and every product
+#: of two to be a normal fp32 (vdpbf16ps treats subnormals as zero): E4M3 values are at least
+#: 2^-9, so scales of at least 2^(73 - 127) suffice (2 x (-9 + 73 - 127) = -126). Calls with a
+#: smaller scale run the fp32 tiles (the same numbers up to summation order either way).
+MIN_BF16_E8M0 = 73
+
+
+def _e4m3_table() -> torch.Tensor:
+    global _e4m3
+    if _e4m3 is None:  # torch's fp8 cast, as the torch path's ``_values``: every E4M3 value is an fp32
+        _e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    return _e4m3
+
+
+def _e8m0_table() -> torch.Tensor:
+    global _e8m0
+    if _e8m0 is None:  # as the torch path's ``_expand``
+        _e8m0 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).to(torch.float32)
+    return _e8m0
+
+
+_e4m3: torch.Tensor | None = None
+_e8m0: torch.Tensor | None = None
+
+
+def supports_scaled(plan: AttentionPlan) -> bool:
+    """Whether the kernel runs this mode 1 / 6 plan: built, on the CPU, and a head dim that is a
+    multiple of the build's vector width (mode 1's D = 72 is not on AVX-512: the torch path
+    runs it)."""
+    return plan.device.type == "cpu" and available() and plan.head_dim % _module.vec_width() == 0
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _pairs_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (.., pairs, 2) with its last two axes contiguous, so a row's scales lie at stride 1."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == 2 else t.contiguous()
+
+
+def _mxfp8_scales(plan: AttentionPlan, q_descale, k_descale, v_descale):
+    """(q scales (Tq, Nq, ceil(D/32)) uint8 and its (token, head) strides, k and v scales as
+    uint8 views with the kernel's descriptors, v's per-batch first key)."""
+    from qfa.cast import mxfp8
+    from qfa.tiling.scaled_checks import kv_segment_lengths
+
+    meta = plan.meta
+    q_s = _bytes(mxfp8.unpack_q_descale(q_descale, plan.head_dim, meta.layout_q_descale))
+    k_s = _bytes(_pairs_contiguous(k_descale))
+    v_s = _bytes(v_descale)
+    st_k, st_v = k_s.stride(), v_s.stride()
+    if meta.layout_kv == "TND":  # k (T, N, P, 2); v (sum ceil(len/64), N, D, 2)
+        k_desc = [0, st_k[1], st_k[0], 1, 0, 1, 32]
+        v_desc = [0, st_v[1], st_v[0], 64, st_v[3], st_v[2], 1]
+        rows, starts = 0, []
+        for n in kv_segment_lengths(plan):
+            starts.append(64 * rows)
+            rows += -(-n // 64)
+    elif meta.layout_kv == "PA_BBND":  # k (Bn, Bs, N, P, 2); v (Bn, Bs/64, N, D, 2)
+        k_desc = [st_k[0], st_k[2], st_k[1], 1, 0, 1, 32]
+        v_desc = [st_v[0], st_v[2], st_v[1], 64, st_v[4], st_v[3], 1]
+        starts = [0] * plan.batch
+    else:  # PA_BNBD: k (Bn, N, Bs, P, 2); v (Bn, N, Bs/64, D, 2)
+        k_desc = [st_k[0], st_k[1], st_k[2], 1, 0, 1, 32]
+        v_desc = [st_v[0], st_v[1], st_v[2], 64, st_v[4], st_v[3], 1]
+        starts = [0] * plan.batch
+    return q_s, list(q_s.stride()[:2]), k_s, k_desc, v_s, v_desc, starts
+
+
+def forward_scaled(
+    plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
+    *, block_table: torch.Tensor | None = None, bf16_dot: bool | None = None,
+    split_rows: int = SPLIT_ROWS, tile_rows: int = TILE_ROWS, chunk_keys: int = CHUNK_BLOCKS * 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a mode 1 / 6 plan as :func:`qfa.attention.backends.scaled_torch_path.forward` does;
+    returns (out bf16 TND, lse fp32 (Nq, Tq) or an empty tensor). ``bf16_dot`` as in
+    :func:`run_into`. ``chunk_keys``: keys per chunk of a split (decode) item, whole blocks."""
+    from qfa.tiling.spec import QuantMode
+
+    if plan.device.type != "cpu":
+        raise ValueError(f"q must be on the CPU for the native kernel, got {plan.device}")
+    if not available():
+        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.backends.cpu_kernel.available)")
+    mode = int(plan.meta.quant_mode)
+    if mode not in (QuantMode.MXFP8, QuantMode.FP8_PER_TOKEN_HEAD):
+        raise ValueError(f"forward_scaled runs quant_mode 1 or 6, got {mode}")
+    table = _table_of(plan, block_table)
+    out = torch.empty(plan.out_shape, dtype=torch.bfloat16)
+    if plan.return_lse:
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32)
+        lse_strides = plan.lse_strides if lse.numel() else (0, 0, 0)
+    else:
+        lse = torch.empty(0, dtype=torch.float32)
+        lse_strides = (0, 0, 0)
+    if bf16_dot is None:
+        bf16_dot = bf16_dot_enabled()
+    elif bf16_dot and not _module.has_bf16_dot():
+        raise ValueError(f"bf16_dot=True needs the AVX512_BF16 build (this CPU's is {cpu_capability()})")
+    if mode == QuantMode.MXFP8:
+        q_s, q_st, k_s, k_desc, v_s, v_desc, starts = _mxfp8_scales(plan, q_descale, k_descale, v_descale)
+        if bf16_dot and max(plan.q_lens, default=0) * plan.group > 16:  # many-row blocks: bf16 only if exact
+            bf16_dot = all(int(t.min()) >= MIN_BF16_E8M0 for t in (q_s, k_s, v_s) if t.numel())
+        args = (1, _e8m0_table(), q_s, q_st, k_s, k_desc, v_s, v_desc, starts, _NO_SCALE)
+        v_scalar = 1.0
+    else:
+        ks = k_descale if k_descale.stride(-1) == 1 else k_descale.contiguous()
+        args = (6, _NO_SCALE, q_descale, list(q_descale.stride()), ks, list(ks.stride()), _NO_SCALE, [], [],
+                v_descale.contiguous())
+        v_scalar = 1.0
+    dscale = round_fp32(plan.softmax_scale)
+    ln_p = torch.log(p_scale).item() if p_scale is not None else 0.0
+    chunk_blocks = max(1, chunk_keys // plan.block_n)
+    _module.forward(
+        _bytes(q), _bytes(k), _bytes(v), (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, plan.out_strides,
+        lse, lse_strides, plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
+        plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_scalar, _e4m3_table(), _ROUND_CONSTS,
+        tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table, plan.block_size,
+        bool(bf16_dot), True, *args,
+    )
+    return out, lse
+
+
+def bf16_dot_enabled() -> bool:
+    return bf16_dot()

@@ -1,0 +1,357 @@
+"""quant_mode 1 (MXFP8) and 6 (FP8 per-token-head) on the native CPU kernel, against the torch path.
+
+The kernel computes :mod:`qfa.attention.backends.scaled_torch_path`'s numbers up to fp32
+summation order: the same E4M3 values (its decoder, checked here on all 256 codes), the same
+scaled operands (mode 1's E8M0 scales are powers of two, so folding them into Q, K and V at decode
+is exact; mode 6's fp32 scales are applied to S and to P8 V where the torch path applies them, in
+the same order of operations), the same 512-key softmax blocks and the same E4M3 rounding of P
+(checked here on every rounding midpoint and a dense sweep). Products of E4M3 values (4
+significant bits each) are exact in fp32, so S and P8 V differ only in the order their exact
+terms are summed; exp may differ in its last ulp (Sleef's vectorised exp against torch's).
+
+The tolerances follow from that, as ``check_against_reference`` (test_attention_reference.py)
+derives its own: an fp32 result a few ulps apart can round to the neighbouring bf16 (the band's
+2^-7 relative, 1e-4 absolute near 0); and a P within a few fp32 ulps of an E4M3 rounding tie may
+round the other way on one side, moving P8 by one E4M3 step. A step is at most 2^-3 of P (3
+mantissa bits; subnormal steps 2^-9 are smaller still than the band), P <= p_scale and l >=
+p_scale (the row's maximum contributes p_scale), so one flip moves out by at most 2^-3 max|v|:
+within the reference's allowance of 2^-2 max|v| beyond the band. The tie window (a few 2^-23
+relative against steps of 2^-3) makes flips rare (~1e-6 of the P values), so the reference's 99.9 %
+in-band share holds too. lse = m + ln l: m is computed by the same steps from the same S up to
+summation order, so the reference's lse tolerance applies unchanged.
+
+On the AVX512_BF16 build the many-row blocks run as bf16 dot products (``QFA_BF16_DOT=1``, the
+default) or the fp32 tiles (``QFA_BF16_DOT=0``): E4M3 values, E4M3-rounded P and mode 1's scaled
+values (scales >= 2^-54, ``cpu_kernel.MIN_BF16_E8M0``) are exact in bf16, with exact products, so
+both are within the same bound. NaN and Inf (NaN codes, NaN scales) reach exactly the rows the
+torch path's do. 1 and 2 threads give the same bits; inputs are not modified.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mode16_reference as ref
+from qfa import quant_flash_attn
+from qfa.attention.backends import cpu_kernel, scaled_torch_path
+from qfa.cast import fp8, mxfp8
+from test_attention_reference import check_against_reference
+from test_attention_scaled_modes import E4M3_NAN, fp8_case, fp8_call, mx_case, mx_call, page_mx
+
+
+def _missing() -> str | None:
+    if not cpu_kernel.available():
+        return "native CPU kernel not built here (no compiler, or the build failed: see cpu_kernel.available)"
+    return None
+
+
+needs_kernel = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+pytestmark = needs_kernel
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.delenv("QFA_BACKEND", raising=False)
+    monkeypatch.delenv("QFA_NATIVE", raising=False)
+    monkeypatch.delenv("QFA_BF16_DOT", raising=False)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(args, kwargs, monkeypatch, *, native: bool, bf16: str = "1"):
+    monkeypatch.setenv("QFA_NATIVE", "1" if native else "0")
+    monkeypatch.setenv("QFA_BF16_DOT", bf16)
+    kw = dict(kwargs)
+    kw.pop("backend", None)
+    try:
+        return quant_flash_attn(*args, **kw)
+    finally:
+        monkeypatch.delenv("QFA_NATIVE")
+        monkeypatch.delenv("QFA_BF16_DOT")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _v_max(mode: int, case) -> float:
+    """The largest |v| value the call can read (an upper bound for the flip allowance)."""
+    if mode == 1:
+        return max(float(np.nanmax(np.abs(_mx_values(case)))), 1e-30)
+    v = ref.decode_e4m3(case["v"]) * case["v_scales"].double().numpy()[None, :, None, None]
+    return max(float(np.nanmax(np.abs(v))), 1e-30)
+
+
+def _mx_values(case) -> np.ndarray:
+    """|V| values of a TND MXFP8 case (every sequence's scaled elements)."""
+    starts = np.cumsum((0,) + case["kv_lens"])
+    out = [np.zeros(1)]
+    for b, (a, e) in enumerate(zip(starts[:-1], starts[1:])):
+        if e > a:
+            out.append(mxfp8.dequantize(case["v"][a:e], case["v_scales"][b], 0).double().numpy().ravel())
+    return np.concatenate(out)
+
+
+def _check(mode, case, args, kwargs, monkeypatch, *, bf16_modes=("1", "0")):
+    """The kernel's out / lse against the torch path's, within the derived tolerance, for each
+    QFA_BF16_DOT setting; returns the kernel's results and the kernels its blocks ran."""
+    want_out, want_lse = _run(args, kwargs, monkeypatch, native=False)
+    lse_wanted = kwargs.get("return_softmax_lse", False)
+    results = {}
+    for bf16 in bf16_modes:
+        out, lse = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
+        paths = cpu_kernel.last_paths()
+        assert paths, "the native kernel did not run"
+        check_against_reference(out, lse, want_out.to(torch.float64).numpy(), want_lse.numpy(), _v_max(mode, case),
+                                lse_wanted)
+        results[bf16] = (out, lse, paths)
+    return results
+
+
+# ---------------------------------------------------------------------------- E4M3 decode and rounding
+
+
+def _e4m3_table() -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_e4m3_decoder_is_exact_on_all_256_codes(simd):
+    table = _e4m3_table()
+    codes = torch.arange(256, dtype=torch.uint8)
+    # qfa.cast.fp8 decodes (dequantises) as the fp32 cast of the elements; the spec reference decodes
+    # from the bits itself.
+    want = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    spec = ref.decode_e4m3(codes.view(torch.float8_e4m3fn))
+    assert np.array_equal(want.double().numpy(), spec, equal_nan=True)
+    if simd:
+        assert cpu_kernel._module.simd_e4m3_decoder(table) == (cpu_kernel._module.vec_width() >= 8 and
+                                                               cpu_kernel.cpu_capability() != "DEFAULT")
+    for offset in range(0, 33, 11):  # SIMD bodies of 32 codes and scalar tails, at several alignments
+        got, finite = cpu_kernel._module.decode_e4m3_codes(torch.cat([codes[256 - offset:], codes]), table, simd)
+        got = got[offset:]
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(_bits(got[~nan]), _bits(want[~nan]))
+        assert not finite
+        fin, ok = cpu_kernel._module.decode_e4m3_codes(codes[~nan][:96].contiguous(), table, simd)
+        assert ok and torch.equal(_bits(fin), _bits(want[~nan][:96]))
+    # The whole kernel's decode (HiF8 codes) is untouched by the E4M3 form of the decoder.
+    hif8, _ = cpu_kernel._module.decode_codes(codes, cpu_kernel._decode_table(), simd)
+    assert torch.equal(torch.isnan(hif8), torch.isnan(cpu_kernel._decode_table()))
+
+
+def _rounding_inputs() -> torch.Tensor:
+    values = _e4m3_table()
+    values = values[torch.isfinite(values)].unique()
+    pos = values[values >= 0].double()
+    mids = ((pos[1:] + pos[:-1]) / 2).float()  # every midpoint is an fp32 (4 + 1 significant bits)
+    assert torch.equal(mids.double(), (pos[1:] + pos[:-1]) / 2)
+    extra = torch.tensor([464.0, 480.0, 449.0, 1e6, 3e38, float("inf"), 2.0**-10, 2.0**-11, 3 * 2.0**-11,
+                          2.0**-149, 2.0**-126, 0.0])
+    base = torch.cat([values.abs(), mids, extra])
+    near = torch.cat([base, torch.nextafter(base, torch.tensor(0.0)), torch.nextafter(base, torch.tensor(float("inf")))])
+    g = torch.Generator().manual_seed(0)
+    # Dense sweeps: random fp32 bit patterns over binades 2^-20 .. 2^10, and uniform in (0, 448]
+    # (where P lives).
+    rnd_bits = torch.randint(0x35800000, 0x44800000, (200_000,), generator=g, dtype=torch.int32).view(torch.float32)
+    uniform = torch.rand(200_000, generator=g) * 448
+    x = torch.cat([near, rnd_bits, uniform])
+    return torch.cat([x, -x, torch.tensor([float("nan"), -0.0])])
+
+
+@pytest.mark.parametrize("variant", ["simd", "scalar", "bf16"])
+def test_e4m3_rounding_of_p_is_the_torch_paths(variant):
+    if variant == "bf16" and not cpu_kernel._module.has_bf16_dot():
+        pytest.skip("the bf16 rounding needs the AVX512_BF16 build (no avx512_bf16 here)")
+    x = _rounding_inputs()
+    want = fp8.on_e4m3_grid(x)
+    got = cpu_kernel._module.round_p_e4m3(x, variant != "scalar", variant == "bf16")
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(_bits(got[~nan]), _bits(want[~nan]))  # signs of zero included
+    assert torch.equal(got[~nan].to(torch.float8_e4m3fn).to(torch.float32), got[~nan])  # on the grid
+
+
+# ---------------------------------------------------------------------------- against the torch path
+
+MX_CASES = [
+    # id, q_lens, kv_lens, (nq, nkv), d, causal, p_scale, softmax_scale, q layout
+    ("prefill", (600,), (600,), (4, 2), 128, False, 1.0, None, "TND"),
+    ("prefill-causal", (600, 77), (600, 1100), (4, 2), 128, True, 448.0, None, "TND"),
+    ("prefill-gqa8-causal", (300,), (700,), (8, 1), 128, True, 104.0, 1.0, "N2TGD"),
+    ("mha-partial", (513, 3), (513, 9), (2, 2), 128, False, 448.0, None, "TND"),
+    ("decode-sq1", (1, 1, 1), (700, 1030, 5000), (8, 2), 128, False, 1.0, None, "TND"),
+    ("decode-sq16-causal", (16, 16), (900, 2100), (4, 2), 128, True, 104.0, None, "TND"),
+    ("empty-sequences", (0, 5, 3, 7), (100, 0, 40, 7), (4, 2), 128, True, 448.0, None, "TND"),
+    ("d64", (100, 1), (600, 300), (4, 2), 64, True, 1.0, None, "TND"),
+    ("d256", (40, 1), (520, 600), (2, 1), 256, False, 448.0, None, "N2TGD"),
+]
+
+
+@pytest.mark.parametrize("case_id,q_lens,kv_lens,heads,d,causal,p_scale,softmax_scale,q_layout", MX_CASES,
+                         ids=[c[0] for c in MX_CASES])
+def test_mxfp8_matches_the_torch_path(case_id, q_lens, kv_lens, heads, d, causal, p_scale, softmax_scale, q_layout,
+                                      monkeypatch):
+    case = mx_case(q_lens, kv_lens, nq=heads[0], nkv=heads[1], d=d, seed=len(case_id))
+    args, kwargs = mx_call(case, causal=causal, p_scale=p_scale, softmax_scale=softmax_scale, q_layout=q_layout)
+    _check(1, case, args, kwargs, monkeypatch)
+
+
+@pytest.mark.parametrize("layout_kv", ["PA_BBND", "PA_BNBD"])
+@pytest.mark.parametrize("block_size,q_lens,kv_lens,causal", [
+    (64, (1, 1, 16), (700, 65, 1000), False),
+    (512, (200, 1), (1100, 3000), True),
+    (1024, (16,), (2500,), True),
+])
+def test_mxfp8_paged_reads_in_place(layout_kv, block_size, q_lens, kv_lens, causal, monkeypatch):
+    """Paged K/V and scales read through the table (spare blocks hold NaN elements and NaN
+    scales no row may see): within the bound of the torch path, and bit for bit the kernel's TND
+    call on the same keys."""
+    case = mx_case(q_lens, kv_lens, d=128, seed=block_size)
+    tnd_args, tnd_kwargs = mx_call(case, causal=causal, p_scale=448.0)
+    k, v, kd, vd, table = page_mx(case, layout_kv, block_size, torch.Generator().manual_seed(1))
+    args = (case["q"], k, v, tnd_args[3], kd, vd, 1)
+    kwargs = dict(tnd_kwargs, cu_seqlens_kv=None, block_table=table, layout_kv=layout_kv,
+                  seqused_kv=torch.tensor(kv_lens, dtype=torch.int32))
+    got = _check(1, case, args, kwargs, monkeypatch)
+    for bf16, (out, lse, _) in got.items():
+        flat_out, flat_lse = _run(tnd_args, tnd_kwargs, monkeypatch, native=True, bf16=bf16)
+        assert torch.equal(_bits(out), _bits(flat_out)) and torch.equal(lse, flat_lse)
+
+
+FP8_CASES = [
+    # id, q_lens, kv_lens, (nq, nkv), causal, p_scale
+    ("prefill", (600,), (600,), (4, 2), False, 448.0),
+    ("prefill-causal-gqa8", (300, 64), (700, 1100), (8, 1), True, 104.0),
+    ("decode-sq1", (1, 1, 1), (300, 1030, 5000), (8, 2), False, 1.0),
+    ("decode-sq16-causal", (16, 16), (900, 2100), (4, 2), True, 448.0),
+    ("empty-and-partial", (0, 5, 130), (100, 0, 129), (4, 4), True, 104.0),
+]
+
+
+@pytest.mark.parametrize("case_id,q_lens,kv_lens,heads,causal,p_scale", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_fp8_matches_the_torch_path(case_id, q_lens, kv_lens, heads, causal, p_scale, monkeypatch):
+    case = fp8_case(q_lens, kv_lens, nq=heads[0], nkv=heads[1], seed=len(case_id))
+    args, kwargs = fp8_call(case, causal=causal, p_scale=p_scale)
+    _check(6, case, args, kwargs, monkeypatch)
+
+
+def test_without_lse(monkeypatch):
+    case = fp8_case((20,), (700,), seed=2)
+    args, kwargs = fp8_call(case, causal=True, lse=False)
+    (out, lse, _), = _check(6, case, args, kwargs, monkeypatch, bf16_modes=("1",)).values()
+    assert lse.numel() == 0
+
+
+def test_many_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
+    case = mx_case((300,), (700,), seed=4)
+    args, kwargs = mx_call(case, causal=True)
+    got = _check(1, case, args, kwargs, monkeypatch)
+    assert "AVX512_BF16" not in got["0"][2]
+    if cpu_kernel._module.has_bf16_dot():
+        assert "AVX512_BF16" in got["1"][2]
+    # A scale below 2^-54 would make products subnormal, which vdpbf16ps flushes: the fp32 tiles run.
+    small = dict(case, k_scales=case["k_scales"].clone())
+    small["k_scales"].view(torch.uint8)[0, 0, 0] = cpu_kernel.MIN_BF16_E8M0 - 1
+    args, kwargs = mx_call(small, causal=True)
+    got = _check(1, small, args, kwargs, monkeypatch, bf16_modes=("1",))
+    assert "AVX512_BF16" not in got["1"][2]
+
+
+# ---------------------------------------------------------------------------- NaN and Inf
+
+
+def _same_nan_then_close(out, want, lse, want_lse):
+    nan = torch.isnan(want.float())
+    assert torch.equal(torch.isnan(out.float()), nan)
+    close = (out.float() - want.float()).abs() <= 1e-4 + 2.0**-7 * want.float().abs()
+    assert close[~nan].float().mean() >= 0.999
+    assert torch.equal(torch.isnan(lse), torch.isnan(want_lse))
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(want_lse))
+
+
+def test_nan_codes_and_scales_reach_the_torch_paths_rows(monkeypatch):
+    # mode 1: a NaN k scale (one key of sequence 1, kv head 0), and NaN V elements behind the
+    # causal diagonal of sequence 0 (only its last rows see them)
+    case = mx_case((40, 2), (600, 64), d=128, seed=6)
+    case["k_scales"] = case["k_scales"].clone()
+    case["k_scales"].view(torch.uint8)[606, 0, 1] = mxfp8.E8M0_NAN_CODE
+    v = case["v"].view(torch.uint8).clone()
+    v[595, 1, 7] = E4M3_NAN
+    case["v"] = v.view(torch.float8_e4m3fn)
+    args, kwargs = mx_call(case, causal=True)
+    want = _run(args, kwargs, monkeypatch, native=False)
+    assert torch.isnan(want[0].float()).any()
+    for bf16 in ("1", "0"):
+        got = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
+        _same_nan_then_close(got[0], want[0], got[1], want[1])
+    # mode 6: a NaN v_descale (head 1), a NaN k scale and a NaN V element
+    case = fp8_case((30, 1), (400, 300), seed=7)
+    case["v_scales"] = case["v_scales"].clone()
+    case["v_scales"][1] = float("nan")
+    case["k_scales"] = case["k_scales"].clone()
+    case["k_scales"][int(case["table"][1, 1]), 0, 5] = float("nan")
+    v = case["v"].view(torch.uint8).clone()
+    v[int(case["table"][0, 3]), 0, 100, 9] = E4M3_NAN  # key 484 of sequence 0: beyond 400, unseen
+    v[int(case["table"][0, 2]), 0, 120, 3] = E4M3_NAN  # key 376: seen by the last causal rows
+    case["v"] = v.view(torch.float8_e4m3fn)
+    args, kwargs = fp8_call(case, causal=True)
+    want = _run(args, kwargs, monkeypatch, native=False)
+    for bf16 in ("1", "0"):
+        got = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
+        _same_nan_then_close(got[0], want[0], got[1], want[1])
+
+
+# ---------------------------------------------------------------------------- threads, inputs, dispatch
+
+
+@pytest.mark.parametrize("mode", [1, 6])
+def test_one_and_two_threads_give_the_same_bits(mode, monkeypatch):
+    if mode == 1:
+        case = mx_case((1, 16, 300), (3000, 900, 700), d=128, seed=8)
+        args, kwargs = mx_call(case, causal=True)
+    else:
+        case = fp8_case((1, 16, 300), (3000, 900, 700), seed=8)
+        args, kwargs = fp8_call(case, causal=True)
+    runs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        runs.append(_run(args, kwargs, monkeypatch, native=True))
+    assert torch.equal(_bits(runs[0][0]), _bits(runs[1][0]))
+    assert torch.equal(_bits(runs[0][1]), _bits(runs[1][1]))
+
+
+def test_inputs_are_not_modified(monkeypatch):
+    for mode in (1, 6):
+        if mode == 1:
+            case = mx_case((20, 1), (600, 300), seed=9)
+            args, kwargs = mx_call(case, causal=True)
+        else:
+            case = fp8_case((20, 1), (600, 300), seed=9)
+            args, kwargs = fp8_call(case, causal=True)
+        before = [t.view(torch.uint8).clone() if t.element_size() == 1 else t.clone() for t in args[:6]]
+        _run(args, kwargs, monkeypatch, native=True)
+        for t, b in zip(args[:6], before):
+            assert torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t, b)
+
+
+def test_dispatch(monkeypatch):
+    """Modes 1 and 6 on CPU run the native kernel; QFA_NATIVE=0, or a head dim the build's
+    vectors do not divide, runs the torch path."""
+    case = fp8_case((3,), (200,), seed=10)
+    args, kwargs = fp8_call(case)
+    calls = []
+    real_kernel, real_torch = cpu_kernel.forward_scaled, scaled_torch_path.forward
+    monkeypatch.setattr(cpu_kernel, "forward_scaled", lambda *a, **k: calls.append("native") or real_kernel(*a, **k))
+    monkeypatch.setattr(scaled_torch_path, "forward", lambda *a, **k: calls.append("torch") or real_torch(*a, **k))
+    _run(args, kwargs, monkeypatch, native=True)
+    _run(args, kwargs, monkeypatch, native=False)
+    assert calls == ["native", "torch"]
+    calls.clear()
+    case = mx_case((3,), (100,), d=72, seed=10)
+    _run(*mx_call(case), monkeypatch, native=True)
+    assert calls == ["native" if 72 % cpu_kernel._module.vec_width() == 0 else "torch"]
