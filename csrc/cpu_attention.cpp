@@ -127,7 +127,15 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
       for (int i = 0; i < 3; ++i) src.sst[i] = d[i];
       src.pos_div = d[3]; src.pair_st = d[4]; src.el_st = d[5]; src.per = d[6];
       src.e8m0 = c.e8m0;
-      TORCH_CHECK(src.pos_div >= 1 && src.per >= 1, "mode 1: scale layout");
+      auto log2_of = [](int64_t n) {
+        int k = 0;
+        while ((int64_t(1) << k) < n) ++k;
+        TORCH_CHECK(n >= 1 && (int64_t(1) << k) == n, "mode 1: scale groups and blocks must be powers of two, got ", n);
+        return k;
+      };
+      src.pos_shift = log2_of(src.pos_div);
+      src.per_shift = log2_of(src.per);
+      src.bs_shift = src.table ? log2_of(src.block_size) : 0;
     }
     c.k.sstart = c.kv_starts.data();
     c.v_scale_starts = v_scale_starts;

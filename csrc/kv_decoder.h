@@ -302,20 +302,26 @@ struct KvSrc {
   const uint8_t* sbase = nullptr;
   int64_t sst[3] = {0, 0, 0};  // (batch or block, head, position / pos_div) strides of the scales
   int64_t pos_div = 1, pair_st = 0, el_st = 1, per = 32;
+  // log2 of pos_div, per and block_size (powers of two in mode 1): a division per key row cost
+  // more than decoding the row.
+  int pos_shift = 0, per_shift = 5, bs_shift = 0;
   const int64_t* sstart = nullptr;  // contiguous K/V: per batch, the scales' first position
   const float* e8m0 = nullptr;      // the 256 E8M0 values
   inline const uint8_t* scale_row(int64_t b, int64_t h, int64_t j) const {
     int64_t blk = b, pos = sstart ? sstart[b] + j : j;
-    if (table) { blk = table[b * table_stride + j / block_size]; pos = j % block_size; }
-    const uint8_t* s = sbase + blk * sst[0] + h * sst[1] + (pos / pos_div) * sst[2];
-    return pos_div > 1 ? s + ((pos / 32) % 2) * pair_st : s;
+    if (table) { blk = table[b * table_stride + (j >> bs_shift)]; pos = j & (block_size - 1); }
+    const uint8_t* s = sbase + blk * sst[0] + h * sst[1] + (pos >> pos_shift) * sst[2];
+    return pos_shift ? s + ((pos >> 5) & 1) * pair_st : s;
   }
 };
+
+constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
 
 // The most elements a scaled row may hold (quant_mode 1's head dims go up to 256).
 constexpr int64_t kMaxScaledDim = 256;
 
-// decode_rows for K/V with E8M0 scales: the row decoded to fp32, times its scales (expanded
+// decode_rows for K/V with E8M0 scales (dim a multiple of the vector width and of 32, or at most
+// one partial group of whole vectors): the row decoded to fp32, times its scales (expanded
 // once per distinct scale row: V's cover 32 keys), to bf16 by truncation where T is (exact: the
 // caller runs bf16 only where every scaled value is a normal bf16). Finite: the codes' and the
 // scales' (448 x the largest scale the plan allows is finite, so no product overflows).
@@ -328,6 +334,14 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
   bool scales_finite = true, finite = true;
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* p = src.row(b, h, start, j);
+#ifdef QFA_SIMD
+    // As decode_rows: the codes kAhead keys on in this run of keys, past j1 too (the caller's
+    // next group; a prefetch never faults).
+    if (src.run_after(j) >= kAhead && src.st[3] == 1) {
+      const char* ahead = reinterpret_cast<const char*>(p + kAhead * src.st[2]);
+      for (int64_t x = 0; x < dim; x += 64) _mm_prefetch(ahead + x, _MM_HINT_T0);
+    }
+#endif
     float* d;
     if constexpr (std::is_same<T, float>::value) {
       d = dst + (j - j0) * dim;
@@ -338,10 +352,11 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
     const uint8_t* sp = src.scale_row(b, h, j);
     if (src.per > 1) {  // K: a few scales per row, each over a run of channels
       for (int64_t x0 = 0; x0 < dim; x0 += src.per) {
-        const float f = src.e8m0[sp[(x0 / src.per) * src.el_st]];
+        const float f = src.e8m0[sp[(x0 >> src.per_shift) * src.el_st]];
         scales_finite = scales_finite && !std::isnan(f);
         const int64_t x1 = std::min(dim, x0 + src.per);
-        for (int64_t x = x0; x < x1; ++x) d[x] = d[x] * f;
+        const Vec vf(f);
+        for (int64_t x = x0; x < x1; x += Vec::size()) (Vec::loadu(d + x) * vf).store(d + x);
       }
     } else {  // V: one scale per channel, the same row of them for 32 keys
       if (sp != last) {
@@ -351,7 +366,7 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
           scales_finite = scales_finite && !std::isnan(fs[x]);
         }
       }
-      for (int64_t x = 0; x < dim; ++x) d[x] = d[x] * fs[x];
+      for (int64_t x = 0; x < dim; x += Vec::size()) (Vec::loadu(d + x) * Vec::loadu(fs + x)).store(d + x);
     }
     if constexpr (!std::is_same<T, float>::value) {
       const uint32_t* u = reinterpret_cast<const uint32_t*>(row);
@@ -361,8 +376,6 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
   }
   return finite && scales_finite;
 }
-
-constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
 
 // Decode keys [j0, j1) of kv head h of batch b into dst (rows x dim), fp32 or bf16 (T);
 // returns whether every value is finite.
