@@ -20,6 +20,14 @@ relative against steps of 2^-3) makes flips rare (~1e-6 of the P values), so the
 in-band share holds too. lse = m + ln l: m is computed by the same steps from the same S up to
 summation order, so the reference's lse tolerance applies unchanged.
 
+Where every fp32 step is exact in any order (scores +-128 from +-1 elements, P in {0, 1}, V sums
+of at most 24 bits; see "exact scores" below), the kernel must give the torch path's bits, on
+every path it has (fp32 tiles, bf16 dot products, fused decode kernels, split keys).
+
+The layouts are the modes' own: mode 1 q TND (q_descale TND or N2TGD), k/v TND or paged PA_BBND /
+PA_BNBD (PA_NZ becomes PA_BNBD before any backend runs); mode 6 q NTD, k/v PA_BNBD. BNSD / BSND
+are mode 0's only.
+
 On the AVX512_BF16 build the many-row blocks run as bf16 dot products (``QFA_BF16_DOT=1``, the
 default) or the fp32 tiles (``QFA_BF16_DOT=0``): E4M3 values, E4M3-rounded P and mode 1's scaled
 values (scales >= 2^-54, ``cpu_kernel.MIN_BF16_E8M0``) are exact in bf16, with exact products, so
@@ -355,3 +363,91 @@ def test_dispatch(monkeypatch):
     case = mx_case((3,), (100,), d=72, seed=10)
     _run(*mx_call(case), monkeypatch, native=True)
     assert calls == ["native" if 72 % cpu_kernel._module.vec_width() == 0 else "torch"]
+
+
+# ---------------------------------------------------------------------------- exact scores: the same bits
+# Inputs on which every fp32 step is exact in any summation order, so the kernel (fp32 tiles, bf16
+# dot products, fused decode kernels, split keys) must give the torch path's bits. Q rows are u
+# (every element 1, times a power of two per 32-channel group) and keys +-u (the inverse powers),
+# so every score is +-128 exactly (128 exact products of +-1), softmax_scale 1: a key is its row's
+# maximum or 256 below it, P is exp(0) = 1 or exp(-256) = 0 in any correct exp, every alpha 1 (or 0
+# before a row's first key), l an exact count. V's values are multiples of 2^-7 below 32 in
+# magnitude (E4M3 magnitudes in [2^-2, 8), multiples of 2^-5, times scales 2^-2 .. 2^2), so every
+# partial sum of up to 2^12 of them is a multiple of 2^-7 below 2^17: 24 bits, exact. O, l and so
+# out = O / l (one rounding) are then the same bits on both paths; lse = m + ln l with m = 128 on
+# both: ln may differ by its last ulp (Sleef's against torch's), so |d lse| <= 2 ulp(lse).
+
+ONE, MINUS_ONE = 0x38, 0xB8  # E4M3 +-1.0
+
+
+def _small_v_codes(gen, *shape) -> torch.Tensor:
+    exp_field = torch.randint(5, 10, shape, generator=gen)  # 2^-2 .. 2^2 binades
+    mant = torch.randint(0, 8, shape, generator=gen)
+    sign = torch.randint(0, 2, shape, generator=gen) * 0x80
+    return (sign + exp_field * 8 + mant).to(torch.uint8)
+
+
+def _exact_mx(q_lens, kv_lens, nq, nkv, seed):
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk, d = sum(q_lens), sum(kv_lens), 128
+    e8 = mxfp8.E8M0
+    a = torch.randint(-3, 4, (1, 1, d // 32), generator=gen)  # per channel group, shared by q and k
+    q = torch.full((tq, nq, d), ONE, dtype=torch.uint8)
+    sign = torch.randint(0, 2, (tk, nkv, 1), generator=gen).bool()
+    k = torch.where(sign, torch.tensor(ONE, dtype=torch.uint8), torch.tensor(MINUS_ONE, dtype=torch.uint8)).expand(tk, nkv, d)
+    qs = (127 + a).expand(tq, nq, d // 32).to(torch.uint8)
+    ks = (127 - a).expand(tk, nkv, d // 32).to(torch.uint8)
+    v = _small_v_codes(gen, tk, nkv, d)
+    vs = [torch.randint(125, 130, (-(-n // 32), nkv, d), generator=gen, dtype=torch.uint8).view(e8) for n in kv_lens]
+    return dict(q=q.view(torch.float8_e4m3fn), k=k.contiguous().view(torch.float8_e4m3fn), v=v.view(torch.float8_e4m3fn),
+                q_scales=qs.contiguous().view(e8), k_scales=ks.contiguous().view(e8), v_scales=vs,
+                q_lens=tuple(q_lens), kv_lens=tuple(kv_lens), nq=nq, nkv=nkv, d=d)
+
+
+def _exact_fp8(q_lens, kv_lens, nq, nkv, seed):
+    case = fp8_case(q_lens, kv_lens, nq=nq, nkv=nkv, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    nb = case["k"].shape[0]
+    q = torch.full(case["q"].shape, ONE, dtype=torch.uint8)
+    sign = torch.randint(0, 2, (nb, nkv, 128, 1), generator=gen).bool()
+    k = torch.where(sign, torch.tensor(ONE, dtype=torch.uint8), torch.tensor(MINUS_ONE, dtype=torch.uint8))
+    k = k.expand(nb, nkv, 128, 128).contiguous()
+    return dict(case, q=q.view(torch.float8_e4m3fn), k=k.view(torch.float8_e4m3fn),
+                v=_small_v_codes(gen, nb, nkv, 128, 128).view(torch.float8_e4m3fn),
+                q_scales=torch.full(case["q_scales"].shape, 2.0), k_scales=torch.full(case["k_scales"].shape, 0.5),
+                v_scales=2.0 ** torch.arange(nkv, dtype=torch.float32))
+
+
+def _check_same_bits(args, kwargs, monkeypatch):
+    want_out, want_lse = _run(args, kwargs, monkeypatch, native=False)
+    seen = 0
+    for bf16 in ("1", "0"):
+        out, lse = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
+        assert torch.equal(_bits(out), _bits(want_out)), bf16
+        assert torch.equal(torch.isposinf(lse), torch.isposinf(want_lse))
+        finite = torch.isfinite(want_lse)
+        ulp = torch.nextafter(want_lse[finite].abs(), torch.tensor(float("inf"))) - want_lse[finite].abs()
+        assert ((lse[finite] - want_lse[finite]).abs() <= 2 * ulp).all()
+        seen += finite.sum().item()
+    assert seen > 0
+
+
+EXACT_SHAPES = [
+    # q_lens, kv_lens, (nq, nkv), causal
+    ((600,), (600,), (4, 2), True),
+    ((300, 16), (700, 2100), (8, 1), False),
+    ((1, 1, 16), (5000, 1030, 900), (8, 2), True),
+    ((0, 5, 3), (100, 0, 40), (4, 4), True),
+]
+
+
+@pytest.mark.parametrize("mode", [1, 6])
+@pytest.mark.parametrize("q_lens,kv_lens,heads,causal", EXACT_SHAPES)
+def test_exact_scores_give_the_torch_paths_bits(mode, q_lens, kv_lens, heads, causal, monkeypatch):
+    if mode == 1:
+        case = _exact_mx(q_lens, kv_lens, *heads, seed=sum(kv_lens))
+        args, kwargs = mx_call(case, causal=causal, p_scale=1.0, softmax_scale=1.0)
+    else:
+        case = _exact_fp8(q_lens, kv_lens, *heads, seed=sum(kv_lens))
+        args, kwargs = fp8_call(case, causal=causal, p_scale=1.0, softmax_scale=1.0)
+    _check_same_bits(args, kwargs, monkeypatch)
