@@ -63,7 +63,8 @@ MIN_TOTAL_SECONDS = 0.2
 
 
 def _first_call(fn):
-    """``fn()``'s result and wall time: the first call of a path compiles it (TorchInductor)."""
+    """``fn()``'s result and wall time: the first call of a path pays its one-time work (the FP8
+    emulation's TorchInductor compile, first-touch allocations)."""
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
@@ -71,6 +72,22 @@ def _first_call(fn):
 
 def _median(fn) -> float:
     return median_seconds(fn, min_runs=TIMED_RUNS, min_total=MIN_TOTAL_SECONDS)
+
+
+def native_build_line() -> str:
+    """Build (or load) the native CPU kernels before anything is timed, and say how long it took:
+    the C++ build runs once per machine and torch version, then loads from torch's extension cache."""
+    from qfa.attention.backends import cpu_kernel, cpu_prepare
+
+    start = time.perf_counter()
+    ready = cpu_kernel.available() and cpu_prepare.available()
+    seconds = time.perf_counter() - start
+    if not cpu_kernel.enabled():
+        return "native CPU kernels: off (QFA_NATIVE=0); the torch paths run"
+    if not ready:
+        return "native CPU kernels: unavailable (see the warning above); the torch paths run"
+    return (f"native CPU kernels ({cpu_kernel.cpu_capability()} build): ready in {seconds:.1f} s "
+            "(a C++ build the first time on a machine, then a load from torch's extension cache)")
 
 
 def attention_rows(q, k, v) -> tuple[list[list[str]], dict[str, float]]:
@@ -195,13 +212,14 @@ def run(args: argparse.Namespace) -> int:
     q, k, v = llm_like_qkv(1, heads_q, heads_kv, args.seq, seed=args.seed)
     workload = f"LLM-like workload, B=1, (Nq, Nkv)=({heads_q}, {heads_kv}), S={args.seq}, D=128, causal"
     print(f"qfa demo: {workload}\n")
+    print(native_build_line() + "\n")
     print("Codec round trip (per-tensor scale)")
     print(markdown_table(["tensor", "format (scale rule)", "rel L2", "max abs"], codec_rows({"Q": q, "K": k, "V": v})))
     rows, rel = attention_rows(q, k, v)
     print("\nAttention output against exact fp32 attention on the unquantised inputs")
     print(markdown_table(["attention", "cosine", "rel L2", "max abs", "ms (median)", "first call ms"], rows))
     print(f"\nms: median of at least {TIMED_RUNS} runs after a warm-up call, on {torch.get_num_threads()} threads. "
-          "The first call of each path compiles it (TorchInductor), so it is shown apart and is not in the medians.")
+          "The first call of each path is shown apart and is not in the medians.")
     busy = _busy_note()
     if busy:
         print(busy)

@@ -26,6 +26,12 @@ def test_demo_prints_both_formats_and_writes_the_chart(tmp_path):
     out = qfa("demo", "--seq", "128", "--heads", "4:2", "--out", str(chart))
     assert "HiF8" in out and "FP8 E4M3" in out and "cosine" in out and "(Nq, Nkv)=(4, 2), S=128" in out
     assert "first call" in out and "median" in out
+    from qfa.attention.backends import cpu_kernel
+
+    # the one-time native build is done and reported before anything is timed
+    want = f"native CPU kernels ({cpu_kernel.cpu_capability()} build): ready in" if cpu_kernel.available() else \
+        "native CPU kernels: "
+    assert want in out.split("Codec round trip")[0], out[:500]
     assert chart.exists() and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(chart) in out
 
