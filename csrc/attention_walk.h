@@ -18,7 +18,9 @@
 #include "kv_decoder.h"
 #include "thread_scratch.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <atomic>
