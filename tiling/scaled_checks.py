@@ -83,8 +83,10 @@ def check_descale_shapes(plan: AttentionPlan, q_descale, k_descale, v_descale) -
 def _e8m0_max(codes: torch.Tensor, name: str) -> int:
     """The largest finite-scale exponent among E8M0 ``codes`` (uint8; NaN scales mark NaN blocks
     and are allowed)."""
-    finite = codes[codes != E8M0_NAN_CODE]
-    top = int(finite.max()) if finite.numel() else E8M0_BIAS
+    top = int(codes.max()) if codes.numel() else E8M0_BIAS
+    if top == E8M0_NAN_CODE:  # the NaN code is the largest byte: look past it (rare: NaN blocks only)
+        finite = codes[codes != E8M0_NAN_CODE]
+        top = int(finite.max()) if finite.numel() else E8M0_BIAS
     if top > MAX_FINITE_E8M0:
         raise ValueError(f"{name} must hold E8M0 scales <= 2^{MAX_FINITE_E8M0 - E8M0_BIAS} (code {MAX_FINITE_E8M0}; "
                          f"beyond it 448 * scale overflows fp32), got 2^{top - E8M0_BIAS} (code {top})")

@@ -75,3 +75,20 @@ def test_the_mixed_row_follows_the_decode_rows_unless_asked():
     assert parser.parse_args([]).mixed_skv is None  # run() then takes the first decode Skv
     assert parser.parse_args(["--mixed-skv", "0"]).mixed_skv == []
     assert parser.parse_args(["--mixed-skv", "2048,4096"]).mixed_skv == [2048, 4096]
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [1, 6])
+def test_modes_1_and_6_rows_name_the_native_kernel(mode, monkeypatch):
+    """The scaled modes run on the native kernel on CPU: the bench says so, and names the kernels
+    the call ran (not "torch path"), and a QFA_NATIVE=0 run names the torch path."""
+    from qfa.tools.bench import scaled_inputs
+
+    call, _ = scaled_inputs.BUILDERS[mode](1, 4, 2, 40, 300, causal=True, backend="torch")
+    assert bench.code_path("torch", mode).startswith("native CPU kernel")
+    ran = bench.isa_of(call, "torch")
+    assert ran and "torch path" not in ran and set(ran) <= {"AVX2", "AVX512", "AVX512_BF16", "scalar", "MKL"}, ran
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    assert "scaled_torch_path" in bench.code_path("torch", mode)
+    assert bench.isa_of(call, "torch") == ["torch path"]

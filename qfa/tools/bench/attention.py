@@ -118,13 +118,12 @@ def code_path(backend: str, quant_mode: int = 0) -> str:
     """Which implementation quant_flash_attn runs for ``backend`` on CPU tensors."""
     if backend != "torch":
         return f"backend {backend}"
-    if quant_mode != 0:
-        return "pure-torch path of modes 1 and 6 (qfa.attention.backends.scaled_torch_path; no native kernel for them)"
     from qfa.attention.backends import cpu_kernel
 
     if cpu_kernel.available():
         return f"native CPU kernel ({cpu_kernel.cpu_capability()} build {cpu_kernel.build_name()})"
-    return "pure-torch path (qfa.attention.backends.torch_path; native kernel off or unavailable)"
+    torch_path = "scaled_torch_path" if quant_mode != 0 else "torch_path"
+    return f"pure-torch path (qfa.attention.backends.{torch_path}; native kernel off or unavailable)"
 
 
 def causal_flops(heads: int, seq: int, dim: int = 128) -> float:
@@ -166,16 +165,16 @@ def peak_of(isa: Sequence[str], peaks: dict[str, float]) -> float | None:
     return max(known) if known else None
 
 
-def isa_of(fn: Callable[[], object], backend: str, quant_mode: int = 0) -> list[str]:
+def isa_of(fn: Callable[[], object], backend: str) -> list[str]:
     """The kernel families one call of ``fn`` ran: the native kernel's own account of its
     blocks, or the name of the other implementation."""
     from qfa.attention.backends import cpu_kernel
 
     if backend != "torch":
         return [f"backend {backend}"]
-    if quant_mode != 0 or not cpu_kernel.available():
+    if not cpu_kernel.available():
         return ["torch path"]
-    fn()
+    fn()  # the bench's head dim (128) is one every build's vectors divide, in every mode
     return cpu_kernel.last_paths()
 
 
@@ -307,7 +306,7 @@ def decode_rows(skvs, batches, sqs, backend: str, heads: tuple[int, int], load: 
                 rows.append([b, sq, skv, f"{t['qfa'] * 1e3:.1f}", f"{t['fp32'] * 1e3:.1f}",
                              f"{t['qfa'] / t['fp32']:.2f}x", f"{t['bf16'] * 1e3:.1f}",
                              f"{t['qfa'] / t['bf16']:.2f}x", f"{gflops:.1f}"]
-                            + _isa_cells(isa_of(fns["qfa"], backend, quant_mode), gflops, PEAKS)
+                            + _isa_cells(isa_of(fns["qfa"], backend), gflops, PEAKS)
                             + _load_cells(t, busy))
                 ratios.append(t["qfa"] / t["fp32"])
                 if busy:
@@ -386,7 +385,7 @@ def prefill_rows(seqs, backend: str, heads=HEADS, load: bool = False, quant_mode
             gflops = causal_flops(hq, seq) / t_ours / 1e9
             rows.append([f"({hq}, {hkv})", seq, f"{t_ours * 1e3:.1f}", f"{gflops:.1f}",
                          f"{t32 * 1e3:.1f}", f"{t_ours / t32:.2f}x", f"{t16 * 1e3:.1f}", f"{t_ours / t16:.2f}x"]
-                        + _isa_cells(isa_of(fns["qfa"], backend, quant_mode), gflops, PEAKS)
+                        + _isa_cells(isa_of(fns["qfa"], backend), gflops, PEAKS)
                         + _load_cells(t, busy))
             if seq >= SPEED_TARGET_MIN_SEQ:
                 target_ratios.append(t_ours / t32)
