@@ -95,6 +95,10 @@ def _e8m0_max(codes: torch.Tensor, name: str) -> int:
 
 def _fp32_scale_max(t: torch.Tensor, name: str) -> float:
     """The largest of fp32 scales that must be > 0 and finite, or NaN (a NaN group's scale)."""
+    if t.numel():  # one pass when no scale is NaN (min and max both propagate NaN)
+        lo, hi = (float(x) for x in torch.aminmax(t))
+        if lo > 0 and math.isfinite(hi):
+            return hi
     known = t[~torch.isnan(t)]
     if known.numel() and not (torch.isfinite(known).all() and (known > 0).all()):
         bad = known[~(torch.isfinite(known) & (known > 0))][0].item()
