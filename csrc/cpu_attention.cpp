@@ -539,7 +539,10 @@ bool has_bf16_dot() {
 }
 
 // ---- the CPU's peak, measured: independent FMA (or bf16 dot) chains in registers ---------------
-// Twelve accumulators per thread (more than latency x throughput on the CPUs here), on `threads`
+// Twelve accumulators per thread (more than latency x throughput on the CPUs here), each from its
+// own start value: chains that start equal are one chain to the optimiser (the bf16 loop's twelve
+// zero-started chains compiled to one latency-bound chain, counted twelve times: the bench
+// reported about 2x the instruction's real rate as the peak). On `threads`
 // threads at once, each for about `seconds` of its own CPU time; returns the sum of the threads'
 // rates, each its FLOPs over its CPU time (an FMA is 2 FLOP, a bf16 dot step 4 per lane), so
 // another process time-sharing the cores does not lower it (wall time would: the bench's first
@@ -636,7 +639,7 @@ double peak_gflops(const std::string& kind, int64_t threads, double seconds) {
 #ifdef QFA_BF16_DOT
   if (kind == "bf16_dot") {
     return time_chains(threads, seconds, 12.0 * 32 * 2 * kPeakInner, [] {
-#define QFA_DB(i) __m512 a##i = _mm512_setzero_ps();
+#define QFA_DB(i) __m512 a##i = _mm512_set1_ps(0.001f * i); asm("" : "+v"(a##i));
       QFA_R12(QFA_DB)
       const __m512bh x = as_bh(_mm512_set1_epi16(0x3F80)), y = as_bh(_mm512_set1_epi16(0x3400));
       for (int64_t n = 0; n < kPeakInner; ++n) {
