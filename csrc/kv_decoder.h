@@ -208,6 +208,23 @@ struct Decoder {
     return bad;
   }
 
+  // decode32 with value i times lane i % 8 of mul[i / 8]: MXFP8's scaled rows (a power of two
+  // times each value, the product the separate pass formed) in one pass over the codes.
+  template <bool E4M3 = false>
+  inline __m256i decode32_scaled(const uint8_t* p, float* d, const __m256* mul) const {
+    __m256i w0, w1;
+    const __m256i bad = words<E4M3>(p, w0, w1);
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i f0 = _mm256_unpacklo_epi16(z, w0), f1 = _mm256_unpackhi_epi16(z, w0);
+    const __m256i f2 = _mm256_unpacklo_epi16(z, w1), f3 = _mm256_unpackhi_epi16(z, w1);
+    const auto put = [&](float* at, __m256i v, __m256 m) { _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_castsi256_ps(v), m)); };
+    put(d, _mm256_permute2x128_si256(f0, f1, 0x20), mul[0]);
+    put(d + 8, _mm256_permute2x128_si256(f2, f3, 0x20), mul[1]);
+    put(d + 16, _mm256_permute2x128_si256(f0, f1, 0x31), mul[2]);
+    put(d + 24, _mm256_permute2x128_si256(f2, f3, 0x31), mul[3]);
+    return bad;
+  }
+
   // 32 contiguous codes to bf16; the mask as words32's.
   template <bool E4M3 = false>
   inline __m256i decode32_bf16(const uint8_t* p, uint16_t* d) const {
@@ -348,8 +365,46 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
     } else {
       d = row;
     }
-    finite = dc.decode(p, src.st[3], d, dim) && finite;
     const uint8_t* sp = src.scale_row(b, h, j);
+#ifdef QFA_SIMD
+    // One pass: each group of 32 codes decoded and multiplied by its scales (K: one scale, as
+    // per is a multiple of 32; V: the channels' 32). Non-finite codes (rare) take the table.
+    if (dc.simd && dc.e4m3 && src.st[3] == 1 && dim % 32 == 0 && (src.per == 1 || src.per % 32 == 0)) {
+      if (src.per == 1 && sp != last) {
+        last = sp;
+        for (int64_t x = 0; x < dim; ++x) {
+          fs[x] = src.e8m0[sp[x * src.el_st]];
+          scales_finite = scales_finite && !std::isnan(fs[x]);
+        }
+      }
+      __m256i bad = _mm256_setzero_si256();
+      for (int64_t x = 0; x < dim; x += 32) {
+        __m256 mul[4];
+        if (src.per == 1) {
+          for (int i = 0; i < 4; ++i) mul[i] = _mm256_load_ps(fs + x + 8 * i);
+        } else {
+          const float f = src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
+          scales_finite = scales_finite && !std::isnan(f);
+          mul[0] = mul[1] = mul[2] = mul[3] = _mm256_set1_ps(f);
+        }
+        bad = _mm256_or_si256(bad, dc.decode32_scaled<true>(p + x, d + x, mul));
+      }
+      if (!_mm256_testz_si256(bad, bad)) {
+        for (int64_t x = 0; x < dim; ++x) {
+          const float f = src.per == 1 ? fs[x] : src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
+          d[x] = dc.table[p[x]] * f;
+          finite = finite && std::isfinite(dc.table[p[x]]);
+        }
+      }
+      if constexpr (!std::is_same<T, float>::value) {
+        const uint32_t* u = reinterpret_cast<const uint32_t*>(row);
+        T* o = dst + (j - j0) * dim;
+        for (int64_t x = 0; x < dim; ++x) o[x] = static_cast<T>(u[x] >> 16);
+      }
+      continue;
+    }
+#endif
+    finite = dc.decode(p, src.st[3], d, dim) && finite;
     if (src.per > 1) {  // K: a few scales per row, each over a run of channels
       for (int64_t x0 = 0; x0 < dim; x0 += src.per) {
         const float f = src.e8m0[sp[(x0 >> src.per_shift) * src.el_st]];

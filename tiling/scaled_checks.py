@@ -175,12 +175,28 @@ def check_scaled_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_
     if not (math.isfinite(p) and E4M3_P_SCALE_RANGE[0] <= p <= E4M3_P_SCALE_RANGE[1]):
         raise ValueError(f"p_scale must be in [1, 448] in quant_mode {int(plan.meta.quant_mode)} (P lies in "
                          f"(0, p_scale] on the E4M3 grid), got {p:g}")
-    used = _used_scales(plan, q_descale, k_descale, v_descale, block_table)
+    # A bound every stored scale meets is met by the scales the call reads: the whole tensors
+    # take one reduction each, where gathering the used ones costs a copy per sequence. Only when
+    # they fail (a spare block, padding or a real error) are the used scales gathered and judged.
+    if plan.meta.quant_mode == QuantMode.MXFP8:
+        whole = tuple(t.view(torch.uint8) for t in (q_descale, k_descale, v_descale))
+    else:
+        whole = (q_descale, k_descale, v_descale)
+    try:
+        _check_scale_bounds(plan, p, whole)
+        return
+    except ValueError:
+        pass
+    _check_scale_bounds(plan, p, _used_scales(plan, q_descale, k_descale, v_descale, block_table))
+
+
+def _check_scale_bounds(plan: AttentionPlan, p: float, scales: tuple[torch.Tensor, ...]) -> None:
+    """check_scaled_values' rules on (q, k, v) scales: E8M0 codes as uint8, FP8's fp32."""
     names = ("q_descale", "k_descale", "v_descale")
     if plan.meta.quant_mode == QuantMode.MXFP8:
-        q_max, k_max, v_max = (2.0 ** _e8m0_max(t, n) for t, n in zip(used, names))
+        q_max, k_max, v_max = (2.0 ** _e8m0_max(t, n) for t, n in zip(scales, names))
     else:
-        q_max, k_max, v_max = (_fp32_scale_max(t, n) for t, n in zip(used, names))
+        q_max, k_max, v_max = (_fp32_scale_max(t, n) for t, n in zip(scales, names))
     score = E4M3_MAX**2 * plan.head_dim * q_max * k_max * max(1.0, plan.softmax_scale)
     if score > FP32_MAX / 2:
         raise ValueError(f"q_descale and k_descale are too large for fp32 scores: 448^2 * D * max q scale * max k "
