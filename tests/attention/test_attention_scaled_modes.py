@@ -462,6 +462,48 @@ def test_bad_fp8_arguments(change, error, match):
         _fp8_bad(**change)
 
 
+def _spare_block(case) -> int:
+    """A block of the FP8 case's pool that no sequence's table row uses."""
+    used = {int(x) for b, n in enumerate(case["kv_lens"]) for x in case["table"][b, : -(-n // 128)]}
+    return min(set(range(case["k"].shape[0])) - used)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), 0.0])
+def test_fp8_scales_of_a_spare_block_are_not_judged(bad):
+    """The value checks read the whole scale tensors first and, when those fail, the scales the
+    call reads: a bad scale in a block no sequence uses changes nothing, one in a used block fails."""
+    case = fp8_case((3, 1), (200, 130), seed=12)
+    want = quant_flash_attn(*fp8_call(case)[0], **fp8_call(case)[1])
+    spare = dict(case, k_scales=case["k_scales"].clone())
+    spare["k_scales"][_spare_block(case)] = bad
+    got = quant_flash_attn(*fp8_call(spare)[0], **fp8_call(spare)[1])
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(got[1], want[1])
+    used = dict(case, k_scales=case["k_scales"].clone())
+    used["k_scales"][int(case["table"][0, 0]), 1, 5] = bad
+    with pytest.raises(ValueError, match=r"^k_descale must hold finite scales > 0"):
+        quant_flash_attn(*fp8_call(used)[0], **fp8_call(used)[1])
+
+
+def test_mxfp8_scales_of_a_spare_block_are_not_judged():
+    case = mx_case((3, 1), (300, 70), d=128, seed=13)
+    args, kwargs = mx_call(case, p_scale=104.0)
+    kwargs.pop("cu_seqlens_kv")
+    k, v, kd, vd, table = page_mx(case, "PA_BBND", 128, torch.Generator().manual_seed(3), spare=2)
+    seqused = torch.tensor(case["kv_lens"], dtype=torch.int32)
+    call = lambda kd_: quant_flash_attn(args[0], k, v, args[3], kd_, vd, 1, block_table=table,  # noqa: E731
+                                        layout_kv="PA_BBND", seqused_kv=seqused, **kwargs)
+    want = call(kd)
+    used_blocks = {int(x) for b, n in enumerate(case["kv_lens"]) for x in table[b, : -(-n // 128)]}
+    spare = min(set(range(k.shape[0])) - used_blocks)
+    beyond = kd.clone()
+    beyond.view(torch.uint8)[spare] = 250  # 2^123: out of range, but no call reads it
+    got = call(beyond)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(got[1], want[1])
+    beyond.view(torch.uint8)[int(table[0, 0]), 0] = 250
+    with pytest.raises(ValueError, match=r"^k_descale must hold E8M0 scales <= 2\^119"):
+        call(beyond)
+
+
 def test_inputs_are_not_modified():
     case = fp8_case((3,), (200,), seed=11)
     args, kwargs = fp8_call(case, causal=True)
