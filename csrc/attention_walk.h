@@ -483,6 +483,24 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
 #ifdef QFA_BF16_DOT
     const bool bf16_block = c.bf16 && !fused(c, R - lo);
     const int64_t ncp = (nc + 1) & ~int64_t(1);  // P V sums key pairs: an odd count ends with a zero P
+    // The block's V first: a block whose values are all finite takes the bf16 P V, and then P is
+    // needed only as bf16 (one pass over S); one holding a value that is not finite runs
+    // pv_fused on the fp32 P (each row over its visible keys), which decodes the codes itself.
+    const uint16_t* slices = nullptr;
+    bool v_finite = true;
+    if (bf16_block) {
+      if (!c.vb_dec.empty() && c.vb_dec[it.b]) {
+        const int64_t at_ = it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk;
+        slices = c.vb_dec[it.b] + at_ * BN * D;
+        v_finite = c.v_finite[it.b][at_] != 0;
+      } else {
+        v_finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.half(sc.vb));
+        if (v_finite) {
+          to_bslices(sc.half(sc.vb), nc, sc.half(sc.vs), BN * kBPanel);
+          slices = sc.half(sc.vs);
+        }
+      }
+    }
 #endif
     for (int64_t r = lo; r < R; ++r) {
       float* s = sblk + (r - lo) * BN;
@@ -491,6 +509,16 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       const float m_new = max_nan(m[r], rm * c.dscale - c.ln_p);
       // Rows that have seen no key keep m = -inf; subtract 0 there so exp gives 0, not NaN.
       const float m_safe = m_new == kNegInf ? 0.f : m_new;
+#ifdef QFA_BF16_DOT
+      if (bf16_block) {
+        uint16_t* pb = sc.half(sc.pb) + (r - lo) * BN;
+        rsum[r] = c.mode ? exp_round_to_bf16<true>(s, nv, ncp, c.dscale, m_safe, c.rc, pb, !v_finite)
+                         : exp_round_to_bf16<false>(s, nv, ncp, c.dscale, m_safe, c.rc, pb, !v_finite);
+        alpha[r] = m[r] - m_safe;
+        m[r] = m_new;
+        continue;
+      }
+#endif
       // One pass: exponent (S * dScale - m, rounded twice as in the torch path), exp, row sum.
       const Vec vd(c.dscale), vm(m_safe);
       Vec acc(0.f);
@@ -510,23 +538,12 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
         (Vec::loadu(s + j, nv - j) * vd - vm).exp().store(s + j, nv - j);
         for (; j < nv; ++j) sum += s[j];
       }
-#ifdef QFA_BF16_DOT
-      if (bf16_block) {
-        if (c.mode) {
-          round_to_bf16_e4m3(s, nv, ncp, sc.half(sc.pb) + (r - lo) * BN);
-        } else {
-          round_to_bf16(s, nv, ncp, c.rc, sc.half(sc.pb) + (r - lo) * BN);
-        }
-      } else
-#endif
-      {
-        if (c.mode) {
-          round_row_e4m3(s, nv);
-        } else {
-          round_row(s, nv, c.rc);
-        }
-        for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
+      if (c.mode) {
+        round_row_e4m3(s, nv);
+      } else {
+        round_row(s, nv, c.rc);
       }
+      for (int64_t jj = nv; jj < nc; ++jj) s[jj] = 0.f;
       alpha[r] = m[r] - m_safe;
       rsum[r] = sum;
       m[r] = m_new;
@@ -540,22 +557,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
       done = true;
 #ifdef QFA_BF16_DOT
     } else if (bf16_block) {
-      // As the fp32 tiles: a block holding a value that is not finite runs pv_fused (fp32 P,
-      // each row over its visible keys), which decodes the codes itself.
-      const uint16_t* slices = nullptr;
-      bool finite;
-      if (!c.vb_dec.empty() && c.vb_dec[it.b]) {
-        const int64_t at_ = it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk;
-        slices = c.vb_dec[it.b] + at_ * BN * D;
-        finite = c.v_finite[it.b][at_] != 0;
-      } else {
-        finite = decode_rows(c.dec, D, c.v, it.b, it.h, c.kv_starts[it.b], j0, j0 + nc, sc.half(sc.vb));
-        if (finite) {
-          to_bslices(sc.half(sc.vb), nc, sc.half(sc.vs), BN * kBPanel);
-          slices = sc.half(sc.vs);
-        }
-      }
-      if (finite) {
+      if (v_finite) {
         pv_bpanels(sc.half(sc.pb), R - lo, BN, slices, BN * kBPanel, ncp / 2, sc.pv.get());
       } else {
         pv_fused(c, it, nullptr, j0, nk, lo, R, sblk, sc, sc.pv.get());

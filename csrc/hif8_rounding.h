@@ -274,34 +274,82 @@ inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
   }
 }
 
-// P's HiF8 rounding of n values in place, zeros from n to n_pad (a multiple of 2), and the
-// rounded row as bf16 into dst: one pass for round_row, the zero fill and to_bf16.
-inline void round_to_bf16(float* p, int64_t n, int64_t n_pad, const RoundConsts& c, uint16_t* dst) {
-  const RoundVec16 rv(c);
-  int32_t* b = reinterpret_cast<int32_t*>(p);
+#endif
+
+#ifdef QFA_BF16_DOT
+// P's rounding on 16 lanes, as bit patterns: E4M3 (quant_modes 1 and 6) or HiF8 (rv).
+template <bool E4M3>
+inline __m512i round_p16(__m512 p, const RoundVec16& rv) {
+  if constexpr (E4M3) {
+    (void)rv;
+    return _mm512_castps_si512(round_e4m3_16(p));
+  } else {
+    return rv(_mm512_castps_si512(p));
+  }
+}
+
+// P's E4M3 rounding of n values in place, zeros from n to n_pad, and the rounded row as bf16
+// into dst (E4M3 values are bf16 values: 4 significant bits, binades -9 .. 8).
+inline void round_to_bf16_e4m3(float* p, int64_t n, int64_t n_pad, uint16_t* dst) {
+  const RoundVec16 rv(RoundConsts{});  // (E4M3 reads no HiF8 constants)
   for (int64_t j = 0; j < n_pad; j += 16) {
     const int64_t left = std::min<int64_t>(16, n - j);
     const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
     const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
-    const __m512i r = _mm512_maskz_mov_epi32(live, rv(_mm512_maskz_loadu_epi32(live, b + j)));
-    _mm512_mask_storeu_epi32(b + j, out, r);
+    const __m512i r = _mm512_maskz_mov_epi32(live, round_p16<true>(_mm512_maskz_loadu_ps(live, p + j), rv));
+    _mm512_mask_storeu_epi32(p + j, out, r);
     _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
   }
 }
 #endif
 
 #ifdef QFA_BF16_DOT
-// round_to_bf16 with P's E4M3 rounding (E4M3 values are bf16 values: 4 significant bits, binades
-// -9 .. 8).
-inline void round_to_bf16_e4m3(float* p, int64_t n, int64_t n_pad, uint16_t* dst) {
-  for (int64_t j = 0; j < n_pad; j += 16) {
-    const int64_t left = std::min<int64_t>(16, n - j);
-    const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
-    const __m512i r = _mm512_maskz_mov_epi32(live, _mm512_castps_si512(round_e4m3_16(_mm512_maskz_loadu_ps(live, p + j))));
-    _mm512_mask_storeu_epi32(p + j, out, r);
-    _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
+// The softmax's one pass over a row of n visible scores for the bf16 dot products: p = exp(s *
+// dscale - m) (the walk's exponent, Vec::exp as the torch path), its sum (returned: unrounded,
+// 16 lanes then the lanes in order then the tail in order, as the separate passes summed), and p
+// rounded (HiF8 with c, or E4M3) as bf16 into dst, zeros from n to n_pad (a multiple of 2).
+// With keep, the rounded fp32 p (zeros to n_pad) also goes back into s: the fp32 fallback's P.
+template <bool E4M3>
+inline float exp_round_to_bf16(float* s, int64_t n, int64_t n_pad, float dscale, float m, const RoundConsts& c,
+                               uint16_t* dst, bool keep) {
+  static_assert(Vec::size() == 16, "the bf16 build's vectors are 16 lanes");
+  const RoundVec16 rv(c);
+  const Vec vd(dscale), vm(m);
+  const auto rounded = [&](const Vec& p) { return round_p16<E4M3>(p, rv); };
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const Vec p = (Vec::loadu(s + j) * vd - vm).exp();
+    acc = acc + p;
+    const __m512i r = rounded(p);
+    if (keep) _mm512_storeu_si512(s + j, r);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
   }
+  float sum = 0.f;
+  {
+    alignas(64) float tmp[16];
+    acc.store(tmp);
+    for (int i = 0; i < 16; ++i) sum += tmp[i];
+  }
+  if (j < n) {
+    const int64_t left = n - j;
+    alignas(64) float tail[16];
+    const Vec p = (Vec::loadu(s + j, left) * vd - vm).exp();
+    p.store(tail);
+    for (int64_t i = 0; i < left; ++i) sum += tail[i];
+    const __mmask16 live = static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
+    const __m512i r = _mm512_maskz_mov_epi32(live, rounded(p));
+    if (keep) _mm512_mask_storeu_epi32(s + j, out, r);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
+    j += 16;
+  }
+  for (; j < n_pad; j += 16) {  // whole zero vectors past the visible keys
+    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
+    if (keep) _mm512_mask_storeu_epi32(s + j, out, _mm512_setzero_si512());
+    _mm512_mask_storeu_epi16(dst + j, static_cast<__mmask32>(out), _mm512_setzero_si512());
+  }
+  return sum;
 }
 #endif
 
