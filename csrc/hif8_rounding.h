@@ -304,26 +304,24 @@ inline void round_to_bf16_e4m3(float* p, int64_t n, int64_t n_pad, uint16_t* dst
 #endif
 
 #ifdef QFA_BF16_DOT
-// The softmax's one pass over a row of n visible scores for the bf16 dot products: p = exp(s *
-// dscale - m) (the walk's exponent, Vec::exp as the torch path), its sum (returned: unrounded,
-// 16 lanes then the lanes in order then the tail in order, as the separate passes summed), and p
-// rounded (HiF8 with c, or E4M3) as bf16 into dst, zeros from n to n_pad (a multiple of 2).
-// With keep, the rounded fp32 p (zeros to n_pad) also goes back into s: the fp32 fallback's P.
+// The softmax's passes over a row of n visible scores for the bf16 dot products: p = exp(s *
+// dscale - m) into s (the walk's exponent, Vec::exp as the torch path) and its unrounded sum
+// (returned: 16 lanes, then the lanes in order, then the tail in order); then p rounded (HiF8
+// with c, or E4M3) as bf16 into dst, zeros from n to n_pad (a multiple of 2). With keep, the
+// rounded fp32 p (zeros to n_pad) goes back into s as well: the fp32 fallback's P. Two loops,
+// not one: exp is a call, and around it the rounding's constants would be spilled and reloaded
+// for every vector (measured slower on the Zen 4 EPYC).
 template <bool E4M3>
 inline float exp_round_to_bf16(float* s, int64_t n, int64_t n_pad, float dscale, float m, const RoundConsts& c,
                                uint16_t* dst, bool keep) {
   static_assert(Vec::size() == 16, "the bf16 build's vectors are 16 lanes");
-  const RoundVec16 rv(c);
   const Vec vd(dscale), vm(m);
-  const auto rounded = [&](const Vec& p) { return round_p16<E4M3>(p, rv); };
   Vec acc(0.f);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const Vec p = (Vec::loadu(s + j) * vd - vm).exp();
+    p.store(s + j);
     acc = acc + p;
-    const __m512i r = rounded(p);
-    if (keep) _mm512_storeu_si512(s + j, r);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
   }
   float sum = 0.f;
   {
@@ -332,22 +330,17 @@ inline float exp_round_to_bf16(float* s, int64_t n, int64_t n_pad, float dscale,
     for (int i = 0; i < 16; ++i) sum += tmp[i];
   }
   if (j < n) {
-    const int64_t left = n - j;
-    alignas(64) float tail[16];
-    const Vec p = (Vec::loadu(s + j, left) * vd - vm).exp();
-    p.store(tail);
-    for (int64_t i = 0; i < left; ++i) sum += tail[i];
-    const __mmask16 live = static_cast<__mmask16>((1u << left) - 1);
+    (Vec::loadu(s + j, n - j) * vd - vm).exp().store(s + j, n - j);
+    for (; j < n; ++j) sum += s[j];
+  }
+  const RoundVec16 rv(c);
+  for (j = 0; j < n_pad; j += 16) {
+    const int64_t left = std::min<int64_t>(16, n - j);
+    const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
     const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
-    const __m512i r = _mm512_maskz_mov_epi32(live, rounded(p));
+    const __m512i r = _mm512_maskz_mov_epi32(live, round_p16<E4M3>(_mm512_maskz_loadu_ps(live, s + j), rv));
     if (keep) _mm512_mask_storeu_epi32(s + j, out, r);
     _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
-    j += 16;
-  }
-  for (; j < n_pad; j += 16) {  // whole zero vectors past the visible keys
-    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
-    if (keep) _mm512_mask_storeu_epi32(s + j, out, _mm512_setzero_si512());
-    _mm512_mask_storeu_epi16(dst + j, static_cast<__mmask32>(out), _mm512_setzero_si512());
   }
   return sum;
 }
