@@ -23,6 +23,7 @@ consume; neither re-derives shapes, lengths or block sizes.
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 from dataclasses import dataclass, field
@@ -503,6 +504,43 @@ def _lengthless_plan(q, k, v, qs: dict, ks: dict, layout: str, mask_mode, max_se
         return _plan_cache.setdefault(key, plan)
 
 
+def _metadata_key(head_args: tuple, meta_args: dict) -> tuple | None:
+    """The cache key of a plan_metadata call: every argument as its type and value, length
+    tensors by their dtype, shape and values (a host read, as plan_metadata's own), or None where
+    an argument has no such key (a device or meta tensor, an object of another kind)."""
+    key: list = ["metadata", head_args]
+    for name, value in meta_args.items():
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu" or value.dim() != 1:
+                return None
+            key.append((name, value.dtype, tuple(value.tolist())))
+        elif value is None or type(value) in (int, str, bool) or isinstance(value, enum.Enum):
+            # the type too: True == 1 and hash alike, but only one of them may pass a check
+            key.append((name, type(value), value))
+        else:
+            return None
+    return tuple(key)
+
+
+def _cached_metadata(head_args: tuple, meta_args: dict) -> AttentionMetadata:
+    """plan_metadata(*head_args, **meta_args), from the plan cache where the same arguments were
+    planned before: the layers of one forward step call the op with the same lengths, and modes
+    1 and 6 (always with length tensors) would otherwise derive it on every call. The checks of
+    plan_metadata are functions of the key, so a hit is a call that passes them; the value checks
+    (scales, block table) run on every call after it."""
+    key = _metadata_key(head_args, meta_args)
+    meta = _plan_cache.get(key) if key is not None else None
+    if meta is not None:
+        return meta
+    meta = plan_metadata(*head_args, **meta_args)
+    if key is None:
+        return meta
+    with _plan_cache_lock:
+        while len(_plan_cache) >= PLAN_CACHE_SIZE:
+            del _plan_cache[next(iter(_plan_cache))]
+        return _plan_cache.setdefault(key, meta)
+
+
 def check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale) -> QuantMode:
     """Static checks of one call's tensors in its mode (types, dtypes; no value read)."""
     mode = check_quant_mode(quant_mode)
@@ -567,13 +605,13 @@ def plan_attention(
         plan = _lengthless_plan(q, k, v, qs, ks, layout, mask_mode, max_seqlen_q, max_seqlen_kv, softmax_scale,
                                 return_softmax_lse, attn_mask)
     else:
-        meta = plan_metadata(
-            qs["n"], ks["n"], qs["d"], mode, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-            seqused_q=seqused_q, seqused_kv=seqused_kv, batch_size=None if packed else qs["b"],
-            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, mask_mode=mask_mode, layout=layout,
-            total_q=qs["s"], total_kv=None if paged else ks["s"], layout_kv=layout_kv, layout_out=layout_out,
-            layout_q_descale=layout_q_descale,
+        meta_args = dict(
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
+            batch_size=None if packed else qs["b"], max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            mask_mode=mask_mode, layout=layout, total_q=qs["s"], total_kv=None if paged else ks["s"],
+            layout_kv=layout_kv, layout_out=layout_out, layout_q_descale=layout_q_descale,
         )
+        meta = _cached_metadata((qs["n"], ks["n"], qs["d"], mode), meta_args)
         plan = bind(meta, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                     attn_mask=attn_mask, block_table=block_table)
     if paged and (host_reads_are_free(plan.device) or mode != QuantMode.HIF8_PER_TENSOR):

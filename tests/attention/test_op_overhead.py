@@ -1,5 +1,6 @@
-"""The op's light per-call path: the plan cache of calls without length tensors, the native
-kernel's scalars formed from the descales' values, and the arguments the kernel is handed.
+"""The op's light per-call path: the plan cache (calls without length tensors by geometry, the
+metadata of calls with them by their lengths' values), the native kernel's scalars formed from
+the descales' values, and the arguments the kernel is handed.
 
 What must hold: a cache hit is the plan a fresh derivation gives (and the same bits out), a
 changed geometry (shape, strides, layout, device, softmax_scale, return_lse, mask, bounds) is
@@ -260,12 +261,61 @@ def test_the_cache_is_bounded_and_keeps_the_newest(monkeypatch, fresh_cache):
     assert again is not plans[0] and again == plans[0]
 
 
-def test_calls_with_length_tensors_are_not_cached(fresh_cache):
+def test_calls_with_length_tensors_are_cached_by_their_values(fresh_cache):
+    """Length tensors key the metadata by their values: the same lengths (the layers of one
+    step) share it, other lengths never get it, and each is the plan a fresh derivation gives."""
     q, k, v = decode_case(b=2, skv=40)
-    used = torch.tensor([40, 7], dtype=torch.int32)
-    a = tiling.plan_attention(q, k, v, *scales(), 0, seqused_kv=used)
-    b = tiling.plan_attention(q, k, v, *scales(), 0, seqused_kv=torch.tensor([3, 40], dtype=torch.int32))
-    assert not fresh_cache and a.kv_lens == (40, 7) and b.kv_lens == (3, 40)
+    used = lambda *n: torch.tensor(n, dtype=torch.int32)  # noqa: E731
+    a = tiling.plan_attention(q, k, v, *scales(), 0, seqused_kv=used(40, 7))
+    b = tiling.plan_attention(q, k, v, *scales(), 0, seqused_kv=used(3, 40))
+    assert a.kv_lens == (40, 7) and b.kv_lens == (3, 40)
+    assert a == fresh_plan(q, k, v, *scales(), 0, seqused_kv=used(40, 7))
+    assert b == fresh_plan(q, k, v, *scales(), 0, seqused_kv=used(3, 40))
+    again = tiling.plan_attention(q, k, v, *scales(), 0, seqused_kv=used(40, 7))
+    assert again is a  # the metadata and its bound plan, both from the cache
+    with pytest.raises(TypeError, match="seqused_kv must be torch.int32, got torch.int64"):
+        tiling.plan_attention(q, k, v, *scales(), 0, seqused_kv=used(40, 7).long())  # dtype is in the key
+    with pytest.raises(ValueError, match="seqused_kv"):
+        tiling.plan_attention(q, k, v, *scales(), 0, seqused_kv=used(41, 7))  # past Skv: still checked
+
+
+def _mxfp8_call(q_descale=None):
+    from qfa.cast import mxfp8
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, h, D, generator=g) for n, h in ((3, 4), (200, 2), (200, 2)))
+    (qe, qs), (ke, ks), (ve, vs) = mxfp8.quantize(q), mxfp8.quantize(k), mxfp8.quantize(v, 0)
+    qd = mxfp8.pack_q_descale(qs) if q_descale is None else q_descale(mxfp8.pack_q_descale(qs))
+    cu = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
+    return qfa.quant_flash_attn(qe, ke, ve, qd, mxfp8.pack_k_descale(ks), mxfp8.pack_v_descale([vs]), 1,
+                                cu_seqlens_q=cu(3), cu_seqlens_kv=cu(200), mask_mode=3,
+                                p_scale=torch.tensor([448.0]), backend="torch")
+
+
+def test_a_mode_1_hit_still_checks_the_scales_and_gives_the_same_bits(fresh_cache):
+    first = _mxfp8_call()
+    assert any(key[0] == "metadata" for key in fresh_cache)
+    second = _mxfp8_call()
+    assert torch.equal(first[0].view(torch.int16), second[0].view(torch.int16))
+
+    def out_of_range(t):
+        t = t.clone()
+        t.view(torch.uint8).view(-1)[0] = 250
+        return t
+
+    # The same geometry and lengths, a scale out of range: the hit must not skip its check.
+    with pytest.raises(ValueError, match=r"^q_descale must hold E8M0 scales <= 2\^119"):
+        _mxfp8_call(out_of_range)
+
+
+def test_scalars_of_another_type_are_another_key(fresh_cache):
+    """True == 1 and hash alike: a cached call with mask_mode=1 ... must not serve a bool."""
+    key_int = tiling._metadata_key((12, 2, 128, QuantMode.HIF8_PER_TENSOR), {"mask_mode": 3})
+    key_bool = tiling._metadata_key((12, 2, 128, QuantMode.HIF8_PER_TENSOR), {"mask_mode": True})
+    key_one = tiling._metadata_key((12, 2, 128, QuantMode.HIF8_PER_TENSOR), {"mask_mode": 1})
+    assert key_bool != key_one and key_int != key_one
+    assert tiling._metadata_key((12, 2, 128, 0), {"max_seqlen_q": 1.0}) is None  # no key: derived
+    assert tiling._metadata_key((12, 2, 128, 0), {"cu_seqlens_q": torch.zeros(2, device="meta")}) is None
 
 
 # ----------------------------------------------------------------------------- checks on cache hits
