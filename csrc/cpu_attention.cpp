@@ -15,15 +15,16 @@
 // addressing), gemm_tiles_fp32.h and gemm_tiles_bf16.h (the many-row blocks' register tiles),
 // attention_walk.h (a call's data and one item's online-softmax walk) and parallel_region.h (the
 // workers). This file keeps the entry points: forward (the call's items and its one region), the
-// tests' probes and the peak measurement, and the Python module.
+// tests' probes and the peak measurement; cpu_attention_bindings.cpp is the Python module.
 
-// Only the ATen pieces the kernel uses, and torch's pybind casters: <torch/extension.h> (all of
-// torch) tripled a cold build, 38 s of a trivial file's 40 on the 2-core Zen 4 against 13 s.
+// Only the ATen pieces the kernel uses: <torch/extension.h> (all of torch) tripled a cold build, 38 s
+// of a trivial file's 40 on the 2-core Zen 4 against 13 s. The Python module is a second source,
+// cpu_attention_bindings.cpp, which ninja compiles beside this one: here, as a pybind11 module, it
+// was half of this file's cold build (19 s of CPU, 10 without it).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include "kernel_config.h"
 #include "hif8_rounding.h"
@@ -662,22 +663,4 @@ bool simd_decoder(const at::Tensor& decode_table) {
   Decoder dc;
   dc.init(decode_table.data_ptr<float>());
   return dc.simd;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_codes", &decode_codes, "HiF8 codes to fp32 with the kernel's decoder (tests)", py::arg("codes"),
-        py::arg("decode_table"), py::arg("simd"), py::arg("e4m3") = false);
-  m.def("decode_e4m3_codes", &decode_e4m3_codes, "E4M3 codes to fp32 with the kernel's decoder (tests)");
-  m.def("simd_e4m3_decoder", &simd_e4m3_decoder, "whether the SIMD E4M3 decoder runs for this table (tests)");
-  m.def("round_p_e4m3", &round_p_e4m3, "E4M3 rounding of P with the kernel's code (tests)");
-  m.def("vec_width", &vec_width, "fp32 lanes of the build's vectors (head dims are a multiple)");
-  m.def("round_p", &round_p, "HiF8 rounding of P with the kernel's code (tests)");
-  m.def("simd_decoder", &simd_decoder, "whether the SIMD decoder runs for this table (tests)");
-  m.def("last_region", &last_region, "the last region's team and the threads that entered it (tests)");
-  m.def("last_paths", &last_paths_names, "the kernels the last call's blocks ran (bench, tests)");
-  m.def("last_regions", &last_regions, "how many parallel regions the last call ran (tests)");
-  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the bf16 dot-product kernels");
-  m.def("peak_kinds", &peak_kinds, "the kinds peak_gflops measures in this build");
-  m.def("peak_gflops", &peak_gflops, "GFLOP/s of independent FMA / bf16 dot chains on threads at once");
-  m.def("forward", &forward, "quant_flash_attn torch backend on CPU (see qfa/attention/backends/cpu_kernel.py)");
 }

@@ -84,6 +84,7 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -94,6 +95,10 @@ from qfa.tiling.attention import AttentionPlan, lse_shape, normalised_strides
 
 ENV_VAR = "QFA_NATIVE"
 SOURCE = Path(csrc.__file__).resolve().parent / "cpu_attention.cpp"
+#: The Python module (plain CPython, no pybind11 module: a third of the CPU time of the cold build
+#: it was), a second source, which ninja compiles on another core beside the kernel. On the 2-core
+#: Zen 4 the cold build went from 24 s to 14 (the kernel's own compile, 12-14 s, is the rest).
+BINDINGS = SOURCE.with_name("cpu_attention_bindings.cpp")
 #: GQA rows (query positions x group) per work item. Measured on the 2-core EPYC, (12, 2) S=2048
 #: causal, one thread: 256 rows 230 ms, 128 rows 250-310 ms (MKL runs the larger M faster, and
 #: the K/V blocks are read half as often).
@@ -132,9 +137,15 @@ READS_PAGED_KV = True
 # here; without it the region ran on the calling thread alone.
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held for the build: a second caller waits for it
 _module: ModuleType | None = None
 _failed = False
+#: A failed build's exception until available() has warned of it: once, in a caller's thread (not
+#: in a background build's, where no filter or stack level of the caller would apply).
+_error: Exception | None = None
+_start_lock = threading.Lock()
+#: The background build start_build() started in this process, if any.
+_builder: threading.Thread | None = None
 
 
 def cpu_capability() -> str:
@@ -215,39 +226,90 @@ def build_name() -> str:
     return f"qfa_cpu_attention_{cpu_capability().lower()}_{digest.hexdigest()[:12]}"
 
 
+def sources() -> list[str]:
+    """The extension's sources: the kernel and, from the same folder, its Python module."""
+    return [str(SOURCE), str(SOURCE.with_name(BINDINGS.name))]
+
+
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    if not SOURCE.is_file():
-        raise FileNotFoundError(f"{SOURCE} (the native kernel's source, package data of qfa.csrc)")
+    for source in sources():
+        if not Path(source).is_file():
+            raise FileNotFoundError(f"{source} (the native kernel's source, package data of qfa.csrc)")
     flags = _COMMON_FLAGS + _VECTOR_FLAGS.get(cpu_capability(), [])
     # libgomp, torch's own OpenMP runtime (the same soname: one runtime in the process).
-    return load(name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-lgomp"],
-                verbose=False)
+    return load(name=build_name(), sources=sources(), extra_cflags=flags, extra_ldflags=["-lgomp"], verbose=False)
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1") != "0"
 
 
-def available() -> bool:
-    """Whether the native kernel runs: built (once, thread-safe) and not disabled by QFA_NATIVE=0."""
-    global _module, _failed
-    if not enabled():
-        return False
-    if _module is not None:
-        return True
-    if _failed:
-        return False
+def _load() -> None:
+    global _module, _failed, _error
     with _lock:
         if _module is None and not _failed:
             try:
                 _module = _build()
             except Exception as exc:  # no compiler, no ninja, a build error, ...
-                _failed = True
-                warnings.warn(f"qfa: the native CPU attention kernel is unavailable ({exc!r}); the pure-torch path "
-                              "(qfa.attention.backends.torch_path) runs instead", stacklevel=2)
+                _failed, _error = True, exc
+
+
+def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """``target`` on a new thread that is not a daemon: the interpreter's exit waits for a build
+    it runs rather than cutting the compiler off, which would leave torch's lock file in the
+    build directory (the next process's build would wait on it forever)."""
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    return thread
+
+
+def start_build() -> None:
+    """Start building the kernel on a background thread, where it is not built or being built yet,
+    so that it compiles while the caller does something else (the preparation's build: the two
+    compiles share the cores instead of running one after the other). :func:`available` waits
+    for it and warns, as ever, if it failed."""
+    global _builder
+    with _start_lock:
+        if enabled() and _module is None and not _failed and _builder is None:
+            _builder = start_thread(_load, "qfa-build-cpu-attention")
+
+
+def available() -> bool:
+    """Whether the native kernel runs: built (once, thread-safe) and not disabled by QFA_NATIVE=0."""
+    if not enabled():
+        return False
+    if _module is None and not _failed:
+        from qfa.attention.backends import cpu_prepare
+
+        # Most callers of the kernel prepare their inputs natively too (the demo asks for both):
+        # that 2 s build runs beside this one.
+        cpu_prepare.start_build()
+        _load()
+    if _error is not None:
+        _warn_once()
     return _module is not None
+
+
+def _warn_once() -> None:
+    global _error
+    with _start_lock:
+        exc, _error = _error, None
+    if exc is not None:
+        warnings.warn(f"qfa: the native CPU attention kernel is unavailable ({exc!r}); the pure-torch path "
+                      "(qfa.attention.backends.torch_path) runs instead", stacklevel=3)
+
+
+def _after_fork_in_child() -> None:
+    # A build on another thread does not exist in the child, and its locks may have been held at
+    # the fork: fresh ones, and the child builds for itself (torch's lock file makes it wait for a
+    # build the parent is still running, then load that).
+    global _lock, _start_lock, _builder
+    _lock, _start_lock, _builder = threading.Lock(), threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _round_consts() -> list[int]:

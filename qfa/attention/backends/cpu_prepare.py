@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -75,9 +76,14 @@ _SIGNATURES = {
     "qfa_quantize_flat": (_I, [_P, _I, _P, _I, _D, _I, _I]),
 }
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held for the build: a second caller waits for it
 _module: ctypes.CDLL | None = None
 _failed = False
+#: A failed build's exception until available() has warned of it (as cpu_kernel's).
+_error: Exception | None = None
+_start_lock = threading.Lock()
+#: The background build start_build() started in this process, if any.
+_builder: threading.Thread | None = None
 
 
 def build_name() -> str:
@@ -121,25 +127,54 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
-def available() -> bool:
-    """Whether the native preparation runs: built (once, thread-safe) and native code not turned
-    off (``QFA_NATIVE=0``)."""
-    global _module, _failed
-    if not cpu_kernel.enabled():
-        return False
-    if _module is not None:
-        return True
-    if _failed:
-        return False
+def _load() -> None:
+    global _module, _failed, _error
     with _lock:
         if _module is None and not _failed:
             try:
                 _module = _build()
             except Exception as exc:  # no compiler, no ninja, a build error, ...
-                _failed = True
-                warnings.warn(f"qfa: the native CPU preparation is unavailable ({exc!r}); the torch paths run "
-                              "instead", stacklevel=2)
+                _failed, _error = True, exc
+
+
+def start_build() -> None:
+    """Start building the preparation on a background thread (as :func:`cpu_kernel.start_build
+    <qfa.attention.backends.cpu_kernel.start_build>`: the kernel's build starts it, so that the
+    two compile at once); :func:`available` waits for it."""
+    global _builder
+    with _start_lock:
+        if cpu_kernel.enabled() and _module is None and not _failed and _builder is None:
+            _builder = cpu_kernel.start_thread(_load, "qfa-build-cpu-prepare")
+
+
+def available() -> bool:
+    """Whether the native preparation runs: built (once, thread-safe) and native code not turned
+    off (``QFA_NATIVE=0``)."""
+    if not cpu_kernel.enabled():
+        return False
+    if _module is None and not _failed:
+        _load()
+    if _error is not None:
+        _warn_once()
     return _module is not None
+
+
+def _warn_once() -> None:
+    global _error
+    with _start_lock:
+        exc, _error = _error, None
+    if exc is not None:
+        warnings.warn(f"qfa: the native CPU preparation is unavailable ({exc!r}); the torch paths run instead",
+                      stacklevel=3)
+
+
+def _after_fork_in_child() -> None:
+    # As cpu_kernel's: fresh locks, and no build thread in the child.
+    global _lock, _start_lock, _builder
+    _lock, _start_lock, _builder = threading.Lock(), threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def usable(*tensors: torch.Tensor) -> bool:
