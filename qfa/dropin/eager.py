@@ -17,6 +17,7 @@ from qfa.dropin import calibration as cal
 from qfa.dropin import distributed, prepare as fused, rotation, scaled as dropin_scaled
 from qfa.dropin.call import DropinCall
 from qfa.dropin.inputs import SCALE_NAMES, check_length_values
+from qfa.attention.backends import cpu_kernel
 from qfa.attention.op import Metadata, quant_flash_attn
 from qfa.dropin.smoothing import lse_shift, prepare, valid_parts, valid_values
 from qfa.tiling.attention import lse_shape
@@ -120,6 +121,10 @@ def run(c: DropinCall, metadata: Metadata | None = None,
     if metadata is None:
         check_length_values(c.q, c.k, c.layout, c.cu_seqlens_q, c.cu_seqlens_kv, c.seqused_q, c.seqused_kv)
     softmax_scale = default_softmax_scale(c.q.shape[-1]) if c.softmax_scale is None else c.softmax_scale
+    if c.q.device.type == "cpu" and c.backend != "triton":
+        # The op will need the kernel: a first call builds it beside the preparation's build
+        # (both compile at once instead of one after the other).
+        cpu_kernel.start_build()
     # HiF8 on CPU: two native passes per tensor, no float copies (qfa.dropin.prepare); else
     # the materialised tensors (the same definitions in torch ops).
     done = fused.quantized_inputs(c, static_scale) if process_group is None else None

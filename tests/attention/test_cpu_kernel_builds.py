@@ -58,7 +58,7 @@ def test_the_bf16_build_has_bf16_dot_products(tmp_path):
 def scalar_build():
     from torch.utils.cpp_extension import load
 
-    return load(name=f"{cpu_kernel.build_name()}_scalar_test", sources=[str(cpu_kernel.SOURCE)],
+    return load(name=f"{cpu_kernel.build_name()}_scalar_test", sources=cpu_kernel.sources(),
                 extra_cflags=cpu_kernel._COMMON_FLAGS, extra_ldflags=["-lgomp"], verbose=False)
 
 
