@@ -98,6 +98,7 @@ def test_the_shared_plan_gives_the_bits_of_per_layer_planning(monkeypatch):
     x, mask = _padded_batch()
     shared = model(x, attention_mask=mask).logits
     monkeypatch.setattr(qfa_hf, "_takes_metadata", lambda fn: False)  # every layer plans itself
+    monkeypatch.setattr(tiling, "_metadata_key", lambda *args: None)  # ... from scratch, not from the cache
     calls = _count(monkeypatch)
     own = model(x, attention_mask=mask).logits
     assert calls["plan_metadata"] == 2  # one per layer: the test compares two different paths
@@ -146,3 +147,20 @@ def test_dropin_with_metadata_gives_the_bits_of_planning_per_call(layout):
                                  **lengths)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert reads == []
+
+
+@torch.no_grad()
+def test_layers_that_plan_themselves_hit_the_metadata_cache(monkeypatch):
+    """Without the shared plan each layer plans, but the same lengths key the same metadata:
+    one derivation per forward pass, not one per layer, and the same bits as the shared plan."""
+    qfa_hf.register("qfa_hif8_plan_test")
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    model.set_attn_implementation("qfa_hif8_plan_test")
+    x, mask = _padded_batch()
+    shared = model(x, attention_mask=mask).logits
+    monkeypatch.setattr(qfa_hf, "_takes_metadata", lambda fn: False)
+    monkeypatch.setattr(tiling, "_plan_cache", {})
+    calls = _count(monkeypatch)
+    own = model(x, attention_mask=mask).logits
+    assert calls["plan_metadata"] == 1
+    assert torch.equal(shared, own)
