@@ -21,9 +21,11 @@
 // never depend on the thread count. An OpenMP region's closing barrier waits for every thread,
 // and on a loaded machine a thread can arrive a scheduler slice late (the pattern the drop-in
 // had: many small parallel passes, 10x slower under load); so a region whose caller waited for a
-// late thread at its end sends the passes of the next 2 s to the calling thread alone.
+// late thread at its end sends the passes of the next 200 ms to the library's own pool
+// (item_pool.h, the attention kernel's), whose caller never waits for a thread that took nothing.
 
-// A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header:
+// A plain C ABI (ctypes; the GIL is released during each call) and no torch or pybind11 header
+// (item_pool.h has none either):
 // the first build takes about a second. The Python side (qfa/attention/backends/cpu_prepare.py) checks the
 // tensors and passes their data pointers.
 #include <omp.h>
@@ -41,6 +43,8 @@
 #include <cstring>
 #include <ctime>
 #include <vector>
+
+#include "item_pool.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -911,21 +915,22 @@ int team_size(int64_t threads, int64_t chunks) {
 constexpr int64_t kChunkRows = 64;
 constexpr int64_t kParallelRows = 512;
 // A region whose caller waited this long for the other threads at its end (one arrived late, or
-// was preempted mid-chunk: another process busy on its core), or lost this much of its own time
-// to a thread sharing its core, sends the next kSerialMs of passes to the calling thread alone. Measured on the shared 2-core host: the team took 0.7-1.0 ms for
-// the drop-in's three tensors at S = 1024 where the caller alone took 1.2-1.5 ms, but one region
-// in four waited 5-25 ms for a thread whose core another process held.
+// was preempted mid-chunk: another process busy on its core, or the host's, on a shared virtual
+// machine), or lost this much of its own time to a thread sharing its core, sends the next
+// kPoolMs of passes to the library's own pool (item_pool.h), whose caller waits only for the
+// chunks a thread has taken: a helper slow to wake takes none, so a pass there is never slower
+// than the caller alone. Measured on the shared 2-core hosts: the team took 0.7-1.0 ms for the
+// drop-in's three tensors at S = 1024 where the caller alone took 1.2-1.5 ms, but one region in
+// four waited 5-25 ms for a thread whose core another process held; on a quiet AVX2 EPYC guest
+// (2026-12-03) regions still waited 0.7-1.8 ms at their end now and then, and the caller-alone
+// fallback this replaced (for 2 s after each) left the drop-in's preparation at 5.0-5.4 ms where
+// the team took 3.3.
 constexpr int64_t kLateUs = 200;
-constexpr int64_t kSerialMs = 2000;
-std::atomic<int64_t> serial_until{0};
-// 0: as above; 1: always the calling thread; 2: always the team when a pass is large enough
-// (the tests pin both, to check that they give the same bits).
+constexpr int64_t kPoolMs = 200;
+std::atomic<int64_t> pool_until{0};
+// 0: as above; 1: always the calling thread; 2: always the OpenMP team, 3: always the own pool,
+// when a pass is large enough (the tests pin each, to check that they give the same bits).
 std::atomic<int> team_mode{0};
-
-inline int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // The calling thread's CPU time (us): where it falls behind the wall clock during a region, the
 // thread shared its core (both of the team's threads put on one core when another process holds
@@ -936,14 +941,18 @@ inline int64_t thread_cpu_us() {
   return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-// fn(i) for every chunk i in [0, n): in order on the calling thread, or on `threads` of torch's
-// OpenMP team, each taking the next chunk. `rows`: the pass's size.
+// fn(i) for every chunk i in [0, n): in order on the calling thread, or on `threads` threads of
+// torch's OpenMP team or of the own pool (with the caller), each taking the next chunk. `rows`:
+// the pass's size. A forked child runs on the pool: libgomp's team does not survive fork.
 template <typename F>
 void run_chunks(int64_t n, int64_t rows, int64_t threads, const F& fn) {
   const int mode = team_mode.load();
-  if (threads <= 1 || n < 2 || rows < kParallelRows || g_forked.load() || mode == 1 ||
-      (mode == 0 && now_us() < serial_until.load())) {
+  if (threads <= 1 || n < 2 || rows < kParallelRows || mode == 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  if (g_forked.load() || mode == 3 || (mode == 0 && now_us() < pool_until.load())) {
+    Pool::get().run(n, std::min(threads, n), [&fn](int64_t i) { fn(i); });
     return;
   }
   std::atomic<int64_t> next{0};
@@ -956,7 +965,8 @@ void run_chunks(int64_t n, int64_t rows, int64_t threads, const F& fn) {
   }
   const int64_t end = now_us();
   // waited at the end for a late thread, or shared its core while working
-  if (end - wall1 > kLateUs || (wall1 - wall0) - (cpu1 - cpu0) > kLateUs) serial_until.store(end + kSerialMs * 1000);
+  if (mode == 0 && (end - wall1 > kLateUs || (wall1 - wall0) - (cpu1 - cpu0) > kLateUs))
+    pool_until.store(end + kPoolMs * 1000);
 }
 
 // A pass's chunks: (segment, head, first row, rows).

@@ -147,6 +147,28 @@ def test_a_forked_child_encodes_after_the_parents_parallel_cast():
     assert out.stdout.strip().splitlines()[-1] == "0"
 
 
+def test_a_forked_child_runs_the_prepare_passes_on_the_pool():
+    """The prepare passes of a forked child run on the library's own pool (libgomp's team does
+    not survive fork), pinned to it after the parent's OpenMP regions, with the parent's bits:
+    a statistics pass and an encode over 4096 rows, past the passes' parallel threshold."""
+    code = (
+        "import hashlib, os, torch\n"
+        "from qfa.dropin import prepare\n"
+        "x = torch.randn(4096, 4, 128).bfloat16()\n"
+        "def digest():\n"
+        "    codes, scale, sat = prepare.encode_tokens(x)\n"
+        "    return hashlib.sha1(codes.numpy().tobytes()).hexdigest() + repr(float(scale)) + repr(int(sat))\n"
+        "want = digest()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if digest() == want and digest() == want else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "0"
+
+
 def test_calibration_quantize_takes_the_native_pass_with_the_same_bits(monkeypatch):
     x = randn(3, 70, D, seed=3, dtype=torch.bfloat16)[:, ::2]  # strided
     native = cal.quantize(x, 0.125)
@@ -274,9 +296,9 @@ def test_every_level_gives_the_drop_ins_bits(level, monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_no_bit_depends_on_the_thread_count_or_the_team(threads, monkeypatch):
-    """Fixed chunks, partial sums added in chunk order: the calling thread alone and the OpenMP
-    team give the same statistics (the float64 sum itself, not just the scale), codes and
-    output, on any thread count."""
+    """Fixed chunks, partial sums added in chunk order: the calling thread alone, the OpenMP
+    team and the library's own pool give the same statistics (the float64 sum itself, not just
+    the scale), codes and output, on any thread count."""
     c = _call("BSND", torch.bfloat16, padded=True, seed=8)
     big = randn(4, 700, D, seed=9, dtype=torch.bfloat16).transpose(0, 1)  # (T, N, D), strided; past the
     strides, heads = prepare.row_strides(big, "TND")                       # passes' parallel threshold
@@ -285,7 +307,7 @@ def test_no_bit_depends_on_the_thread_count_or_the_team(threads, monkeypatch):
     results = []
     try:
         torch.set_num_threads(threads)
-        for team in ("caller", "openmp"):
+        for team in ("caller", "openmp", "pool"):
             cpu_prepare.set_team(team)
             mu = torch.empty(1, heads, D)
             stats = cpu_prepare.stats(big, strides, segs, heads, True, rotation.normalisation(D), mean=mu,
@@ -296,10 +318,11 @@ def test_no_bit_depends_on_the_thread_count_or_the_team(threads, monkeypatch):
     finally:
         cpu_prepare.set_team("automatic")
         torch.set_num_threads(before)
-    (s0, m0, c0, d0, r0), (s1, m1, c1, d1, r1) = results
-    assert s0 == s1 and torch.equal(m0, m1) and torch.equal(c0, c1) and torch.equal(bits(r0), bits(r1))
-    for a, b in zip(d0[0] + d0[1] + [d0[2]], d1[0] + d1[1] + [d1[2]]):
-        assert torch.equal(a, b)
+    s0, m0, c0, d0, r0 = results[0]
+    for s1, m1, c1, d1, r1 in results[1:]:
+        assert s0 == s1 and torch.equal(m0, m1) and torch.equal(c0, c1) and torch.equal(bits(r0), bits(r1))
+        for a, b in zip(d0[0] + d0[1] + [d0[2]], d1[0] + d1[1] + [d1[2]]):
+            assert torch.equal(a, b)
 
 
 def test_pass_one_statistics_are_the_rules_statistics():

@@ -27,9 +27,10 @@ The prepare passes split their rows into fixed chunks of 64: on the calling thre
 (a decode step), else on torch's OpenMP team (``torch.get_num_threads()``), each thread taking the
 next chunk; partial statistics are added in chunk order, so no bit depends on the thread count.
 A region whose caller waited for a late thread at its end (another process busy on its core)
-sends the passes of the next 2 s to the calling thread alone. ``encode_flat`` and ``quantize_flat`` are parallel
-above 2^18 elements; a forked child runs everything on its calling thread (libgomp's team does
-not survive fork).
+sends the passes of the next 200 ms to the library's own pool (``csrc/item_pool.h``, the attention
+kernel's design), where the caller waits only for chunks a thread has taken. ``encode_flat`` and
+``quantize_flat`` are parallel above 2^18 elements; a forked child runs the passes on the pool
+and the flat casts on its calling thread (libgomp's team does not survive fork).
 
 Built on first use with the attention kernel's build helpers (:mod:`qfa.attention.backends.cpu_kernel`:
 its compiler flags, the CPU-flags hash in the build name, ``QFA_NATIVE=0`` to turn native code
@@ -193,9 +194,10 @@ def module() -> ctypes.CDLL:
     return _module
 
 
-#: ``set_team`` modes: the calling thread for small passes and after a late thread (the
-#: default), always the calling thread, or always the OpenMP team for passes large enough.
-TEAMS = ("automatic", "caller", "openmp")
+#: ``set_team`` modes: the calling thread for small passes, the OpenMP team for large ones and
+#: the library's own pool for a while after a late OpenMP thread (the default); always the
+#: calling thread; always the OpenMP team, or always the own pool, for passes large enough.
+TEAMS = ("automatic", "caller", "openmp", "pool")
 
 
 def set_team(mode: str) -> None:

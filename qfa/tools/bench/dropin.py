@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
           f"vs SDPA in the same dtype on {cpu}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; native preparation: "
           f"{cpu_prepare.ISA_NAMES[cpu_prepare.isa_level()]} (torch's OpenMP team; the calling thread for small "
-          "passes and after a late thread); times are medians of rounds taking one call of each in turn")
+          "passes, its own pool after a late thread); times are medians of rounds taking one call of each in turn")
     print(markdown_table(headers, rows))
     print(_verdict(f"speed target (qfa <= {TARGET_RATIO:.1f}x SDPA from S = {TARGET_MIN_SEQ})", speed_ok))
     print(_verdict(f"preparation target (<= {PREP_TARGET:.0%} of the call from S = {TARGET_MIN_SEQ})", prep_ok))
