@@ -104,6 +104,60 @@ def test_speed_verdict():
         bench_attention.speed_verdict([])
 
 
+def test_at_peak_ratio_is_the_rows_flops_at_the_peak_of_its_fastest_kernel_over_sdpa():
+    # the vLLM-shaped row on the AVX2 Zen 3: ~6.4 GFLOP, SDPA fp32 61 ms, peak 180 GFLOP/s
+    peaks = {"fp32_avx2": 180.0}
+    assert bench_attention.at_peak_ratio(6.4e9, ["AVX2", "scalar"], peaks, 0.061) == pytest.approx(0.5829, abs=1e-4)
+    # the fastest family a row ran sets its bound
+    both = {"fp32_avx2": 100.0, "bf16_dot": 400.0}
+    assert bench_attention.at_peak_ratio(4e9, ["AVX512_BF16", "AVX2"], both, 0.1) == pytest.approx(0.1)
+    assert bench_attention.at_peak_ratio(4e9, ["torch path"], both, 0.1) is None
+    assert bench_attention.at_peak_ratio(4e9, ["AVX2"], {}, 0.1) is None
+    assert bench_attention._at_peak_cell(0.5829) == "0.58x" and bench_attention._at_peak_cell(None) == "-"
+
+
+def test_a_verdict_not_met_counts_the_failing_rows_bounded_above_it_at_the_peak():
+    head = "vLLM-shaped batch target (qfa <= 0.50x fp32 SDPA over the same sequences): NOT met, 0 of 1 rows within it"
+    # infeasible: even at the peak the row is at 0.58x, above the 0.5x target
+    assert bench_attention.mixed_verdict([0.8], 0.5, [0.58]) == (
+        head + " (worst 0.80x); 1 of 1 failing rows cannot meet it at the measured peak (best 0.58x)")
+    # feasible: 0.2x at the peak, so the failure is the kernel's, not the CPU's
+    assert bench_attention.mixed_verdict([0.8], 0.5, [0.2]) == (
+        head + " (worst 0.80x); 0 of 1 failing rows cannot meet it at the measured peak")
+    # no peak measured: nothing said; rows within the target are not counted
+    assert bench_attention.mixed_verdict([0.8], 0.5, [None]) == head + " (worst 0.80x)"
+    assert bench_attention.decode_verdict([0.4, 0.6, 0.7], [0.1, 0.3, 0.55]).endswith(
+        ": NOT met, 1 of 3 rows within it (worst 0.70x); 1 of 2 failing rows cannot meet it at the measured peak "
+        "(best 0.55x)")
+    assert bench_attention.speed_verdict([0.9], [0.95]).endswith(": met, 1 of 1 rows within it (worst 0.90x)")
+    with pytest.raises(ValueError, match=r"at_peak must hold one value per ratio \(2\), got 1"):
+        bench_attention.decode_verdict([0.4, 0.6], [0.1])
+
+
+def test_decode_verdicts_one_line_per_target_and_none_for_sq_16_without_bf16_dot():
+    R = bench_attention.RowRatio
+    rows = [(1, R(0.40, 0.10)), (1, R(0.45, 0.12)), (16, R(0.62, 0.41)), (16, R(0.30, 0.20)), (4, R(9.0, None))]
+    avx2 = bench_attention.decode_verdicts(rows, {"fp32_avx2": 180.0})
+    assert avx2 == [
+        "decode target, Sq = 1 (qfa <= 0.50x fp32 SDPA): met, 2 of 2 rows within it (worst 0.45x)",
+        "decode, Sq >= 16: no target on this ISA (its 0.35x is for AVX512_BF16 dot products; without them qfa's "
+        "fp32 FMA rate bounds it as it bounds SDPA's); worst 0.62x fp32 SDPA over 2 rows"]
+    bf16 = bench_attention.decode_verdicts(rows, {"fp32_avx2": 180.0, "bf16_dot": 445.0})
+    assert bf16 == [
+        avx2[0],
+        "decode target, Sq >= 16, AVX512_BF16 (qfa <= 0.35x fp32 SDPA): NOT met, 1 of 2 rows within it (worst 0.62x); "
+        "1 of 1 failing rows cannot meet it at the measured peak (best 0.41x)"]
+    # the targets' constants are the ones the lines print
+    assert f"{bench_attention.DECODE_TARGET_RATIO:.2f}x" in avx2[0]
+    assert f"{bench_attention.DECODE_MULTI_TARGET_BF16:.2f}x" in bf16[1]
+    assert bench_attention.decode_verdicts([(1, R(0.6, 0.2))], {}) == [
+        "decode target, Sq = 1 (qfa <= 0.50x fp32 SDPA): NOT met, 0 of 1 rows within it (worst 0.60x); "
+        "0 of 1 failing rows cannot meet it at the measured peak"]
+    assert bench_attention.decode_verdicts([(4, R(0.6, 0.2))], {}) == []  # no target covers 1 < Sq < 16
+    with pytest.raises(ValueError, match="at least one"):
+        bench_attention.multi_decode_verdict([], {})
+
+
 @pytest.fixture
 def fake_clock(monkeypatch):
     """``median_seconds`` and ``interleaved_medians`` replaced by a clock that runs nothing: each
@@ -189,6 +243,7 @@ def test_bench_attention_run_prints_the_verdict(fake_clock, capsys, monkeypatch,
     assert fake_clock.used == {"in turns" if in_turns else "one after the other"}
     out = capsys.readouterr().out
     assert bench_attention.speed_verdict([1.5]) in out  # only S = 2048 counts
+    assert "| at peak / fp32 |" in out
     assert "peak memory" not in out and "accuracy" not in out
 
 
