@@ -15,12 +15,9 @@
 #include "gemm_tiles_fp32.h"
 #include "hif8_rounding.h"
 #include "kernel_config.h"
+#include "kernel_api.h"
 #include "kv_decoder.h"
 #include "thread_scratch.h"
-
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <atomic>
@@ -85,10 +82,6 @@ struct Item {
   int64_t first;         // index of its item's first chunk in the split list (split items)
   double cost;
 };
-
-inline at::Tensor wrap(float* p, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
-}
 
 // Q tile rows in (position, group) order: row (i - t0) * G + g holds q head h * G + g.
 void load_q_rows(const Call& c, const Item& it, float* dst) {
@@ -306,8 +299,7 @@ int64_t scores_of(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratc
     decode_rows(c.dec, D, c.k, b, h, c.kv_starts[b], j0, j1, sc.k.get());
     kblk = sc.k.get();
   }
-  auto S = wrap(dst, R - lo, nc, BN);
-  at::mm_out(S, wrap(sc.q.get() + lo * D, R - lo, D, D), wrap(const_cast<float*>(kblk), nc, D, D).t());
+  qfa_kernel::host_mm(dst, BN, sc.q.get() + lo * D, D, kblk, D, R - lo, nc, D, true);
   return nk;
 }
 
@@ -602,8 +594,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
         finite = c.v_finite[it.b][it.h * ((c.kv_lens[it.b] + BN - 1) / BN) + blk] != 0;
       }
       if (finite) {
-        auto PV = wrap(sc.pv.get(), R - lo, D, D);
-        at::mm_out(PV, wrap(sblk, R - lo, nc, BN), wrap(const_cast<float*>(vblk), nc, D, D));
+        qfa_kernel::host_mm(sc.pv.get(), D, sblk, BN, vblk, D, R - lo, D, nc, false);
       } else {
         for (int64_t r = lo; r < R; ++r) {
           float* acc = sc.pv.get() + (r - lo) * D;

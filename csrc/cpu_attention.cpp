@@ -2,7 +2,7 @@
 // for the numerics and the contract. Built per CPU capability (the flags come from Python).
 //
 // Work items are (batch, kv head, query tile[, key chunk]). A worker runs its item alone: its
-// GEMMs single-threaded (at::mm_out inside the parallel region), and one fused pass per
+// GEMMs single-threaded (its register tiles, or torch's mm through host_mm), and one fused pass per
 // 256-key block for max, exp, row sum, HiF8 rounding and alpha. Items are handed out by an
 // atomic counter, costliest first, so a thread slowed by another process simply takes fewer
 // items (on the own pool; on the OpenMP team the closing barrier still waits for it: see
@@ -14,18 +14,14 @@
 // thread_scratch.h (aligned per-thread buffers), kv_decoder.h (HiF8 codes to fp32 / bf16, K / V
 // addressing), gemm_tiles_fp32.h and gemm_tiles_bf16.h (the many-row blocks' register tiles),
 // attention_walk.h (a call's data and one item's online-softmax walk) and parallel_region.h (the
-// workers). This file keeps the entry points: forward (the call's items and its one region), the
-// tests' probes and the peak measurement; cpu_attention_bindings.cpp is the Python module.
+// workers). This file keeps the entry points (kernel_api.h): forward (the call's items and its one
+// region), the tests' probes and the peak measurement; cpu_attention_bindings.cpp is the Python
+// module and reads the tensors.
 
-// Only the ATen pieces the kernel uses: <torch/extension.h> (all of torch) tripled a cold build, 38 s
-// of a trivial file's 40 on the 2-core Zen 4 against 13 s. The Python module is a second source,
-// cpu_attention_bindings.cpp, which ninja compiles beside this one: here, as a pybind11 module, it
-// was half of this file's cold build (19 s of CPU, 10 without it).
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
-
+// No ATen header (see simd_vec.h and kernel_api.h): torch's headers were half of this file's cold
+// build. The tensors are read in cpu_attention_bindings.cpp, the Python module, which ninja
+// compiles beside this one; it hands this file plain pointers and lengths (ForwardArgs).
+#include "kernel_api.h"
 #include "kernel_config.h"
 #include "hif8_rounding.h"
 #include "thread_scratch.h"
@@ -48,96 +44,81 @@
 #include <tuple>
 #include <vector>
 
-// See qfa/attention/backends/cpu_kernel.py for the arguments.
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> strides,
-             at::Tensor& out, std::vector<int64_t> out_strides, at::Tensor& lse, std::vector<int64_t> lse_strides,
-             int64_t heads_kv, int64_t group, int64_t dim, int64_t block_n, std::vector<int64_t> q_starts,
-             std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
-             double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
-             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t split_rows, int64_t chunk_blocks, int64_t predecode_bytes,
-             int64_t store_bytes, const at::Tensor& block_table, int64_t block_size, bool bf16, bool fill,
-             int64_t quant_mode, const at::Tensor& e8m0_table, const at::Tensor& q_scale,
-             std::vector<int64_t> q_scale_strides, const at::Tensor& k_scale, std::vector<int64_t> k_scale_desc,
-             const at::Tensor& v_scale, std::vector<int64_t> v_scale_desc, std::vector<int64_t> v_scale_starts,
-             const at::Tensor& v_descale_heads) {
-  TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
-  TORCH_CHECK(quant_mode == 0 || quant_mode == 1 || quant_mode == 6, "quant_mode must be 0, 1 or 6");
-  TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
-  TORCH_CHECK(dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
-  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
-  TORCH_CHECK(round_consts.size() == 7 && strides.size() == 12 && out_strides.size() == 4 && lse_strides.size() == 3);
+// See qfa/attention/backends/cpu_kernel.py for the arguments; the bindings checked the tensors.
+void qfa_kernel::forward(const ForwardArgs& a) {
+  const int64_t heads_kv = a.heads_kv, group = a.group, dim = a.dim, block_n = a.block_n;
+  const int64_t quant_mode = a.quant_mode;
+  const std::vector<int64_t>&q_starts = a.q_starts, &kv_starts = a.kv_starts, &q_lens = a.q_lens,
+                            &kv_lens = a.kv_lens;
+  QFA_CHECK(quant_mode == 0 || quant_mode == 1 || quant_mode == 6, "quant_mode must be 0, 1 or 6");
+  QFA_CHECK(dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
+  QFA_CHECK(a.round_consts.size() == 7 && a.strides.size() == 12 && a.out_strides.size() == 4 &&
+            a.lse_strides.size() == 3);
+  QFA_CHECK((a.out_bf16 != nullptr) != (a.out_f32 != nullptr), "out must be bf16 (or fp32)");
 #ifndef QFA_BF16_DOT
-  TORCH_CHECK(!bf16, "bf16 dot products need the AVX512_BF16 build of the kernel");
+  QFA_CHECK(!a.bf16, "bf16 dot products need the AVX512_BF16 build of the kernel");
 #endif
   last_paths.store(0);
   regions.store(0);
-  if (fill) {
-    // A fresh out / lse: 0 and +inf for the rows no batch owns, set here on the calling thread. A
-    // torch fill just before the call runs on torch's OpenMP team, whose worker then spins for
-    // milliseconds on the core this call's pool thread needs (a fifth of a B = 8 decode call).
-    TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "fill: out and lse must be contiguous");
-    if (out.numel()) std::memset(out.data_ptr(), 0, out.numel() * out.element_size());
-    if (lse.numel()) std::fill(lse.data_ptr<float>(), lse.data_ptr<float>() + lse.numel(), kInf);
-  }
   Call c;
-  c.q = q.data_ptr<uint8_t>();
-  c.k.base = k.data_ptr<uint8_t>(); c.v.base = v.data_ptr<uint8_t>();
-  for (int i = 0; i < 4; ++i) { c.sq[i] = strides[i]; c.k.st[i] = strides[4 + i]; c.v.st[i] = strides[8 + i]; c.so[i] = out_strides[i]; }
-  if (block_table.numel()) {  // paged K/V, read in place (the planner checked the table's values)
-    TORCH_CHECK(block_table.dtype() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
-                block_size > 0, "block_table: int32 (B, blocks) with unit stride along a row, and block_size > 0");
+  c.q = a.q;
+  c.k.base = a.k; c.v.base = a.v;
+  for (int i = 0; i < 4; ++i) {
+    c.sq[i] = a.strides[i]; c.k.st[i] = a.strides[4 + i]; c.v.st[i] = a.strides[8 + i]; c.so[i] = a.out_strides[i];
+  }
+  if (a.block_table) {  // paged K/V, read in place (the planner checked the table's values)
+    QFA_CHECK(a.block_size > 0, "block_size must be > 0 with a block table");
     for (KvSrc* src : {&c.k, &c.v}) {
-      src->table = block_table.data_ptr<int32_t>();
-      src->table_stride = block_table.stride(0);
-      src->block_size = block_size;
+      src->table = a.block_table;
+      src->table_stride = a.block_table_stride;
+      src->block_size = a.block_size;
     }
   }
-  c.out = out.dtype() == at::kBFloat16 ? reinterpret_cast<int16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  c.out_f32 = out.dtype() == at::kFloat ? out.data_ptr<float>() : nullptr;
-  c.lse = lse.numel() ? lse.data_ptr<float>() : nullptr;
-  for (int i = 0; i < 3; ++i) c.sl[i] = lse_strides[i];
+  c.out = a.out_bf16;
+  c.out_f32 = a.out_f32;
+  c.lse = a.lse;
+  for (int i = 0; i < 3; ++i) c.sl[i] = a.lse_strides[i];
   c.heads_kv = heads_kv; c.group = group; c.dim = dim; c.block_n = block_n;
   c.q_starts = q_starts; c.kv_starts = kv_starts; c.q_lens = q_lens; c.kv_lens = kv_lens;
-  c.causal = causal;
-  c.dscale = static_cast<float>(dscale); c.ln_p = static_cast<float>(ln_p); c.v_descale = static_cast<float>(v_descale);
-  c.dec.init(decode_table.data_ptr<float>(), quant_mode != 0);
+  c.causal = a.causal;
+  c.dscale = static_cast<float>(a.dscale); c.ln_p = static_cast<float>(a.ln_p);
+  c.v_descale = static_cast<float>(a.v_descale);
+  c.dec.init(a.decode_table, quant_mode != 0);
   c.mode = static_cast<int>(quant_mode);
   c.v_descale_h.assign(heads_kv, c.v_descale);
   if (quant_mode == 6) {
     // q_descale (Nq, Tq), k_descale (blocks, Nkv, block size) fp32 at the given strides; v per head.
-    TORCH_CHECK(q_scale.dtype() == at::kFloat && k_scale.dtype() == at::kFloat && v_descale_heads.dtype() == at::kFloat &&
-                v_descale_heads.numel() == heads_kv && v_descale_heads.is_contiguous() &&
-                q_scale_strides.size() == 2 && k_scale_desc.size() == 3, "mode 6 scales: fp32 tensors and their strides");
-    c.q_f32 = q_scale.data_ptr<float>();
-    c.k_f32 = k_scale.data_ptr<float>();
-    for (int i = 0; i < 2; ++i) c.q_st[i] = q_scale_strides[i];
-    for (int i = 0; i < 3; ++i) c.kst[i] = k_scale_desc[i];
-    c.v_descale_h.assign(v_descale_heads.data_ptr<float>(), v_descale_heads.data_ptr<float>() + heads_kv);
+    QFA_CHECK(a.q_scale_strides.size() == 2 && a.k_scale_desc.size() == 3 && a.v_descale_heads,
+              "mode 6 scales: fp32 tensors and their strides");
+    c.q_f32 = static_cast<const float*>(a.q_scale);
+    c.k_f32 = static_cast<const float*>(a.k_scale);
+    for (int i = 0; i < 2; ++i) c.q_st[i] = a.q_scale_strides[i];
+    for (int i = 0; i < 3; ++i) c.kst[i] = a.k_scale_desc[i];
+    c.v_descale_h.assign(a.v_descale_heads, a.v_descale_heads + heads_kv);
   } else if (quant_mode == 1) {
     // E8M0 scales as uint8: q (Tq, Nq, ceil(D/32)) at q_scale_strides; K and V in place, each
     // described by (batch or block, head, position, pos_div, pair_st, el_st, per) (KvSrc::sbase).
-    TORCH_CHECK(q_scale.dtype() == at::kByte && k_scale.dtype() == at::kByte && v_scale.dtype() == at::kByte &&
-                e8m0_table.dtype() == at::kFloat && e8m0_table.numel() == 256 && e8m0_table.is_contiguous() &&
-                q_scale_strides.size() == 2 && k_scale_desc.size() == 7 && v_scale_desc.size() == 7 &&
-                v_scale_starts.size() == kv_starts.size(), "mode 1 scales: uint8 E8M0 tensors and their layout");
-    TORCH_CHECK(dim <= kMaxScaledDim, "mode 1: head_dim at most ", kMaxScaledDim);
-    c.e8m0 = e8m0_table.data_ptr<float>();
-    c.q_e8m0 = q_scale.data_ptr<uint8_t>();
-    for (int i = 0; i < 2; ++i) c.q_st[i] = q_scale_strides[i];
-    const std::vector<int64_t>* descs[2] = {&k_scale_desc, &v_scale_desc};
-    const at::Tensor* scales[2] = {&k_scale, &v_scale};
+    QFA_CHECK(a.e8m0_table && a.q_scale_strides.size() == 2 && a.k_scale_desc.size() == 7 &&
+              a.v_scale_desc.size() == 7 && a.v_scale_starts.size() == kv_starts.size(),
+              "mode 1 scales: uint8 E8M0 tensors and their layout");
+    QFA_CHECK(dim <= kMaxScaledDim, "mode 1: head_dim at most ", kMaxScaledDim);
+    c.e8m0 = a.e8m0_table;
+    c.q_e8m0 = static_cast<const uint8_t*>(a.q_scale);
+    for (int i = 0; i < 2; ++i) c.q_st[i] = a.q_scale_strides[i];
+    const std::vector<int64_t>* descs[2] = {&a.k_scale_desc, &a.v_scale_desc};
+    const uint8_t* scales[2] = {static_cast<const uint8_t*>(a.k_scale), a.v_scale};
     KvSrc* srcs[2] = {&c.k, &c.v};
     for (int x = 0; x < 2; ++x) {
       const std::vector<int64_t>& d = *descs[x];
       KvSrc& src = *srcs[x];
-      src.sbase = scales[x]->data_ptr<uint8_t>();
+      src.sbase = scales[x];
       for (int i = 0; i < 3; ++i) src.sst[i] = d[i];
       src.pos_div = d[3]; src.pair_st = d[4]; src.el_st = d[5]; src.per = d[6];
       src.e8m0 = c.e8m0;
       auto log2_of = [](int64_t n) {
         int k = 0;
         while ((int64_t(1) << k) < n) ++k;
-        TORCH_CHECK(n >= 1 && (int64_t(1) << k) == n, "mode 1: scale groups and blocks must be powers of two, got ", n);
+        QFA_CHECK(n >= 1 && (int64_t(1) << k) == n, "mode 1: scale groups and blocks must be powers of two, got ", n);
         return k;
       };
       src.pos_shift = log2_of(src.pos_div);
@@ -145,18 +126,18 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
       src.bs_shift = src.table ? log2_of(src.block_size) : 0;
     }
     c.k.sstart = c.kv_starts.data();
-    c.v_scale_starts = v_scale_starts;
+    c.v_scale_starts = a.v_scale_starts;
     c.v.sstart = c.v_scale_starts.data();
   }
-  c.rc = round_consts_of(round_consts);
+  c.rc = round_consts_of(a.round_consts);
 #ifdef QFA_SIMD
   c.panel_gemm = dim == kFusedDim && block_n % kPanel == 0;
 #endif
 #ifdef QFA_BF16_DOT
-  c.bf16 = bf16 && c.panel_gemm && c.dec.simd && block_n % kBPanel == 0;
+  c.bf16 = a.bf16 && c.panel_gemm && c.dec.simd && block_n % kBPanel == 0;
 #endif
   const int64_t B = static_cast<int64_t>(q_lens.size());
-  const int64_t T = std::max<int64_t>(1, tile_rows / group);  // query positions per tile
+  const int64_t T = std::max<int64_t>(1, a.tile_rows / group);  // query positions per tile
 
   // Work items: (batch, kv head, query tile); tiles that see no key still write their rows.
   std::vector<Item> items;
@@ -175,7 +156,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   // K and V decoded once for batches that several tiles read (prefill), within a budget: fp32
   // (rows, or panels and slices), or bf16 panels and slices. The blocks are the region's first
   // items; an item of such a batch waits until its kv head's blocks are done (pre_left).
-  std::vector<at::Tensor> keep;
+  std::vector<Buffer> keep;
   c.k_dec.assign(B, nullptr); c.v_dec.assign(B, nullptr); c.v_finite.assign(B, {});
   c.kb_dec.assign(B, nullptr); c.vb_dec.assign(B, nullptr);
   std::vector<int64_t> blocks;  // (b, h, block start) flattened
@@ -189,14 +170,14 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
       const int64_t k_values = heads_kv * per_head;
       const int64_t elem = c.bf16 ? 2 : 4;
       const int64_t need = 2 * k_values * elem;
-      if (bytes + need > predecode_bytes) continue;
+      if (bytes + need > a.predecode_bytes) continue;
       bytes += need;
-      keep.push_back(at::empty({need}, at::kByte));
+      keep.push_back(alloc((need + 3) / 4));
       if (c.bf16) {
-        c.kb_dec[b] = reinterpret_cast<uint16_t*>(keep.back().data_ptr<uint8_t>());
+        c.kb_dec[b] = reinterpret_cast<uint16_t*>(keep.back().get());
         c.vb_dec[b] = c.kb_dec[b] + k_values;
       } else {
-        c.k_dec[b] = reinterpret_cast<float*>(keep.back().data_ptr<uint8_t>());
+        c.k_dec[b] = keep.back().get();
         c.v_dec[b] = c.k_dec[b] + k_values;
       }
       predecoded[b] = 1;
@@ -266,7 +247,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
         std::this_thread::yield();
       }
     }
-    TORCH_CHECK(!pre_failed.load(), "qfa native attention: decoding K / V for the call failed");
+    QFA_CHECK(!pre_failed.load(), "qfa native attention: decoding K / V for the call failed");
   };
 
   // Items of few rows (decode: a few new tokens x the GQA group) split their keys into chunks
@@ -278,7 +259,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   for (const Item& it : items) {
     const int64_t nb = it.c1 - it.c0;
     const int64_t rows = (it.t1 - it.t0) * group;
-    const int64_t n = rows <= split_rows && chunk_blocks > 0 ? (nb + chunk_blocks - 1) / chunk_blocks : 1;
+    const int64_t n = rows <= a.split_rows && a.chunk_blocks > 0 ? (nb + a.chunk_blocks - 1) / a.chunk_blocks : 1;
     if (n <= 1) { whole.push_back(it); continue; }
     chunk_begin.push_back(static_cast<int64_t>(chunks.size()));
     split_items.push_back(it);
@@ -300,7 +281,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   for (const Item& ch : chunks) store_floats += (ch.t1 - ch.t0) * group * (ch.c1 - ch.c0) * block_n;
   std::vector<int64_t> store_at(chunks.size(), -1);
   float* store = nullptr;
-  if (!chunks.empty() && store_floats * 4 <= store_bytes) {
+  if (!chunks.empty() && store_floats * 4 <= a.store_bytes) {
     // Decode calls come one per generated token: the calling thread keeps the store (at most the
     // budget) for the next call rather than mapping (and faulting in) fresh pages each time.
     thread_local Buffer kept;
@@ -388,7 +369,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     std::vector<float> logl(R);
     finish(c, it, acc.m.data(), acc.l.data(), acc.o.data(), logl.data());
   };
-  run_items(static_cast<int64_t>(work.size()), [&](int64_t i, Scratch& sc) {
+  run_items(static_cast<int64_t>(work.size()), a.threads, a.nested, [&](int64_t i, Scratch& sc) {
     const Work wk = work[i];
     if (wk.kind == 0) {
       predecode(wk.idx, sc);
@@ -428,7 +409,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
             std::this_thread::yield();  // under load the thread we wait for may need this core
           }
         }
-        TORCH_CHECK(max_done[x].load(std::memory_order_acquire) == 1, "qfa native attention: an earlier chunk failed");
+        QFA_CHECK(max_done[x].load(std::memory_order_acquire) == 1, "qfa native attention: an earlier chunk failed");
         if (x < it.slot)
           for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
       }
@@ -446,66 +427,48 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   });
 }
 
-// The kernel's decoder on its own, for the tests: fp32 values of a 1-D uint8 tensor of codes, read
-// from byte ``offset`` on (the SIMD body and the scalar tail both run), and whether all are finite.
-std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd,
-                                          bool e4m3 = false) {
-  TORCH_CHECK(codes.dtype() == at::kByte && codes.dim() == 1 && codes.is_contiguous(), "codes: contiguous 1-D uint8");
-  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
+// The kernel's decoder on its own, for the tests: fp32 values of n codes into out (the SIMD body
+// and the scalar tail both run), and whether all are finite; e4m3: its E4M3 form (modes 1, 6).
+bool qfa_kernel::decode_codes(const uint8_t* codes, int64_t n, const float* decode_table, bool simd, bool e4m3,
+                              float* out) {
   Decoder dc;
-  dc.init(decode_table.data_ptr<float>(), e4m3);
+  dc.init(decode_table, e4m3);
   dc.simd = dc.simd && simd;
-  at::Tensor out = at::empty({codes.numel()}, at::kFloat);
-  const bool finite = dc.decode(codes.data_ptr<uint8_t>(), 1, out.data_ptr<float>(), codes.numel());
-  return {out, finite};
+  return dc.decode(codes, 1, out, n);
 }
 
-// The kernel's HiF8 rounding of P on its own, for the tests: a rounded copy of a 1-D fp32 tensor
-// (the 8-lane body and the scalar tail, or the scalar rule alone).
-at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool simd) {
-  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 1, "x: 1-D fp32");
-  const RoundConsts rc = round_consts_of(round_consts);
-  at::Tensor out = x.contiguous().clone();
-  round_row(out.data_ptr<float>(), out.numel(), rc, simd);
-  return out;
-}
-
-// The same for quant_modes 1 and 6: E4M3 codes (decode_codes' decoder in its E4M3 form), and
-// whether its SIMD rule runs for this table.
-std::tuple<at::Tensor, bool> decode_e4m3_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd) {
-  return decode_codes(codes, decode_table, simd, true);
-}
-
-bool simd_e4m3_decoder(const at::Tensor& decode_table) {
-  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
+// Whether the SIMD decoder runs for this table in this build.
+bool qfa_kernel::simd_decoder(const float* decode_table, bool e4m3) {
   Decoder dc;
-  dc.init(decode_table.data_ptr<float>(), true);
+  dc.init(decode_table, e4m3);
   return dc.simd;
+}
+
+// The kernel's HiF8 rounding of P on its own, for the tests: x rounded in place (the 8-lane body
+// and the scalar tail, or the scalar rule alone).
+void qfa_kernel::round_p(float* x, int64_t n, const std::vector<int64_t>& round_consts, bool simd) {
+  round_row(x, n, round_consts_of(round_consts), simd);
 }
 
 // The kernel's E4M3 rounding of P on its own (tests): 16 / 8 lanes and the scalar tail, or the
 // scalar rule alone; bf16: the bf16 dot products' fused rounding (AVX512_BF16 builds), its
 // fp32 result.
-at::Tensor round_p_e4m3(const at::Tensor& x, bool simd, bool bf16) {
-  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 1, "x: 1-D fp32");
-  at::Tensor out = x.contiguous().clone();
-  const int64_t n = out.numel();
+void qfa_kernel::round_p_e4m3(float* x, int64_t n, bool simd, bool bf16) {
 #ifdef QFA_BF16_DOT
   if (bf16) {
     std::vector<uint16_t> half(n + 2);
-    round_to_bf16_e4m3(out.data_ptr<float>(), n, n, half.data());
+    round_to_bf16_e4m3(x, n, n, half.data());
     for (int64_t j = 0; j < n; ++j) {
       uint32_t bits = uint32_t(half[j]) << 16, got;
-      std::memcpy(&got, out.data_ptr<float>() + j, 4);
-      TORCH_CHECK(got == bits || std::isnan(out.data_ptr<float>()[j]), "round_to_bf16_e4m3: bf16 copy differs");
+      std::memcpy(&got, x + j, 4);
+      QFA_CHECK(got == bits || std::isnan(x[j]), "round_to_bf16_e4m3: bf16 copy differs");
     }
-    return out;
+    return;
   }
 #else
-  TORCH_CHECK(!bf16, "bf16: needs the AVX512_BF16 build");
+  QFA_CHECK(!bf16, "bf16: needs the AVX512_BF16 build");
 #endif
-  round_row_e4m3(out.data_ptr<float>(), n, simd);
-  return out;
+  round_row_e4m3(x, n, simd);
 }
 
 // The width of the build's fp32 vectors: head dims must be a multiple of it.
@@ -617,7 +580,7 @@ std::vector<std::string> peak_kinds() {
 }
 
 double peak_gflops(const std::string& kind, int64_t threads, double seconds) {
-  TORCH_CHECK(threads >= 1 && seconds > 0, "peak_gflops: threads >= 1 and seconds > 0");
+  QFA_CHECK(threads >= 1 && seconds > 0, "peak_gflops: threads >= 1 and seconds > 0");
 #ifdef QFA_SIMD
   if (kind == "fp32_avx2") {
     return time_chains(threads, seconds, 12.0 * 8 * 2 * kPeakInner, [] {
@@ -673,13 +636,5 @@ double peak_gflops(const std::string& kind, int64_t threads, double seconds) {
     });
   }
 #endif
-  TORCH_CHECK(false, "peak_gflops: kind must be one of this build's peak_kinds(), got '", kind, "'");
-}
-
-// Whether the SIMD decoder runs for this table in this build.
-bool simd_decoder(const at::Tensor& decode_table) {
-  TORCH_CHECK(decode_table.dtype() == at::kFloat && decode_table.numel() == 256 && decode_table.is_contiguous());
-  Decoder dc;
-  dc.init(decode_table.data_ptr<float>());
-  return dc.simd;
+  check_failed("false", "peak_gflops: kind must be one of this build's peak_kinds(), got '", kind, "'");
 }

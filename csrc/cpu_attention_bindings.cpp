@@ -1,5 +1,8 @@
 // The Python module of the native attention kernel (qfa/attention/backends/cpu_kernel.py): the
-// entry points of cpu_attention.cpp as the functions of a plain CPython extension module.
+// entry points of cpu_attention.cpp as the functions of a plain CPython extension module, and
+// the tensors read for it. The kernel's file includes no ATen header (kernel_api.h is the seam):
+// here the tensors are checked and handed over as pointers, lengths and torch's thread count,
+// and torch's mm serves the kernel's GEMMs for head dims its tiles do not take (host_mm).
 //
 // Why not a pybind11 module: <pybind11/pybind11.h> and the 14 m.def bindings cost as much CPU in
 // a cold build as the whole kernel (about 10 s each on the 2-core Zen 4, and a newcomer's first
@@ -8,49 +11,35 @@
 // exported from libtorch_python and declared below as torch/csrc/utils/pybind.h declares it),
 // converts sequences of ints, str and the results as pybind11's stl and str casters did, and
 // raises C++ errors as torch's pybind11 translator did (torch::translate_exception_to_python:
-// TORCH_CHECK is a RuntimeError with the message alone). A second source, so it compiles beside
-// the kernel; the kernel's code is not here, so nothing in this file can change one of its bits.
+// TORCH_CHECK is a RuntimeError with the message alone, and so is the kernel's own QFA_CHECK, a
+// std::runtime_error). A second source, so it compiles beside the kernel; the kernel's code is
+// not here, so nothing in this file can change one of its bits. Cold build on the AVX2 EPYC
+// (2026-12-03): this file 5.9 s and the kernel's 5.8 s, on two cores at once, where the kernel's
+// alone took 12 s with torch's vector and tensor headers.
 //
-// The declarations are the definitions' signatures: one that differs leaves an undefined symbol,
-// and the module fails to import (the op then runs the torch path and says so).
+// kernel_api.h's declarations are the definitions' signatures: one that differs leaves an
+// undefined symbol, and the module fails to import (the op then runs the torch path and says so).
 #include <Python.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
 #include <pybind11/cast.h>
 #include <torch/csrc/Export.h>
+
+#include "kernel_api.h"
+
+#include <algorithm>
+#include <cstring>
 
 #include <cstdint>
 #include <exception>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <limits>
 #include <utility>
 #include <vector>
-
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> strides,
-             at::Tensor& out, std::vector<int64_t> out_strides, at::Tensor& lse, std::vector<int64_t> lse_strides,
-             int64_t heads_kv, int64_t group, int64_t dim, int64_t block_n, std::vector<int64_t> q_starts,
-             std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
-             double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
-             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t split_rows, int64_t chunk_blocks, int64_t predecode_bytes,
-             int64_t store_bytes, const at::Tensor& block_table, int64_t block_size, bool bf16, bool fill,
-             int64_t quant_mode, const at::Tensor& e8m0_table, const at::Tensor& q_scale,
-             std::vector<int64_t> q_scale_strides, const at::Tensor& k_scale, std::vector<int64_t> k_scale_desc,
-             const at::Tensor& v_scale, std::vector<int64_t> v_scale_desc, std::vector<int64_t> v_scale_starts,
-             const at::Tensor& v_descale_heads);
-std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd, bool e4m3);
-std::tuple<at::Tensor, bool> decode_e4m3_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd);
-bool simd_e4m3_decoder(const at::Tensor& decode_table);
-at::Tensor round_p_e4m3(const at::Tensor& x, bool simd, bool bf16);
-int64_t vec_width();
-at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool simd);
-bool simd_decoder(const at::Tensor& decode_table);
-std::tuple<std::string, int64_t> last_region();
-std::vector<std::string> last_paths_names();
-int64_t last_regions();
-bool has_bf16_dot();
-std::vector<std::string> peak_kinds();
-double peak_gflops(const std::string& kind, int64_t threads, double seconds);
 
 // torch's (libtorch_python), as its headers declare them.
 namespace pybind11::detail {
@@ -72,6 +61,150 @@ struct TORCH_PYTHON_API type_caster<at::Tensor> {
 namespace torch {
 TORCH_PYTHON_API void translate_exception_to_python(const std::exception_ptr& /*e_ptr*/);
 }  // namespace torch
+
+// ---- the tensors: checked here, handed to the kernel as plain data (kernel_api.h) ---------------
+
+void qfa_kernel::host_mm(float* c, int64_t ldc, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t m,
+                         int64_t n, int64_t k, bool b_transposed) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor C = at::from_blob(c, {m, n}, {ldc, 1}, f32);
+  at::Tensor A = at::from_blob(const_cast<float*>(a), {m, k}, {lda, 1}, f32);
+  at::Tensor B = b_transposed ? at::from_blob(const_cast<float*>(b), {n, k}, {ldb, 1}, f32).t()
+                              : at::from_blob(const_cast<float*>(b), {k, n}, {ldb, 1}, f32);
+  // mm_out(C, A, B) is addmm with beta 0 and alpha 1 into C, the call below (Tensor's method:
+  // <ATen/ops/mm.h> with its context headers cost 3 s of this file's cold build).
+  C.addmm_(A, B, 0, 1);
+}
+
+namespace {
+
+void check_table(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.numel() == 256 && t.is_contiguous(), name, ": 256 contiguous fp32 values");
+}
+
+// See qfa/attention/backends/cpu_kernel.py for the arguments.
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> strides,
+             at::Tensor& out, std::vector<int64_t> out_strides, at::Tensor& lse, std::vector<int64_t> lse_strides,
+             int64_t heads_kv, int64_t group, int64_t dim, int64_t block_n, std::vector<int64_t> q_starts,
+             std::vector<int64_t> kv_starts, std::vector<int64_t> q_lens, std::vector<int64_t> kv_lens, bool causal,
+             double dscale, double ln_p, double v_descale, const at::Tensor& decode_table,
+             std::vector<int64_t> round_consts, int64_t tile_rows, int64_t split_rows, int64_t chunk_blocks,
+             int64_t predecode_bytes, int64_t store_bytes, const at::Tensor& block_table, int64_t block_size, bool bf16,
+             bool fill, int64_t quant_mode, const at::Tensor& e8m0_table, const at::Tensor& q_scale,
+             std::vector<int64_t> q_scale_strides, const at::Tensor& k_scale, std::vector<int64_t> k_scale_desc,
+             const at::Tensor& v_scale, std::vector<int64_t> v_scale_desc, std::vector<int64_t> v_scale_starts,
+             const at::Tensor& v_descale_heads) {
+  TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
+  TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
+  TORCH_CHECK(lse.dtype() == at::kFloat, "lse must be fp32");
+  check_table(decode_table, "decode_table");
+  qfa_kernel::ForwardArgs a;
+  a.q = q.data_ptr<uint8_t>(); a.k = k.data_ptr<uint8_t>(); a.v = v.data_ptr<uint8_t>();
+  a.strides = std::move(strides);
+  if (fill) {
+    // A fresh out / lse: 0 and +inf for the rows no batch owns, set here on the calling thread. A
+    // torch fill just before the call runs on torch's OpenMP team, whose worker then spins for
+    // milliseconds on the core this call's pool thread needs (a fifth of a B = 8 decode call).
+    TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "fill: out and lse must be contiguous");
+    if (out.numel()) std::memset(out.data_ptr(), 0, out.numel() * out.element_size());
+    if (lse.numel()) std::fill(lse.data_ptr<float>(), lse.data_ptr<float>() + lse.numel(),
+                               std::numeric_limits<float>::infinity());
+  }
+  if (out.dtype() == at::kBFloat16) {
+    a.out_bf16 = reinterpret_cast<int16_t*>(out.data_ptr<at::BFloat16>());
+  } else {
+    a.out_f32 = out.data_ptr<float>();
+  }
+  a.out_strides = std::move(out_strides);
+  a.lse = lse.numel() ? lse.data_ptr<float>() : nullptr;
+  a.lse_strides = std::move(lse_strides);
+  a.heads_kv = heads_kv; a.group = group; a.dim = dim; a.block_n = block_n;
+  a.q_starts = std::move(q_starts); a.kv_starts = std::move(kv_starts);
+  a.q_lens = std::move(q_lens); a.kv_lens = std::move(kv_lens);
+  a.causal = causal; a.dscale = dscale; a.ln_p = ln_p; a.v_descale = v_descale;
+  a.decode_table = decode_table.data_ptr<float>();
+  a.round_consts = std::move(round_consts);
+  a.tile_rows = tile_rows; a.split_rows = split_rows; a.chunk_blocks = chunk_blocks;
+  a.predecode_bytes = predecode_bytes; a.store_bytes = store_bytes;
+  if (block_table.numel()) {  // paged K/V, read in place (the planner checked the table's values)
+    TORCH_CHECK(block_table.dtype() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1 &&
+                block_size > 0, "block_table: int32 (B, blocks) with unit stride along a row, and block_size > 0");
+    a.block_table = block_table.data_ptr<int32_t>();
+    a.block_table_stride = block_table.stride(0);
+    a.block_size = block_size;
+  }
+  a.bf16 = bf16;
+  a.quant_mode = quant_mode;
+  if (quant_mode == 6) {
+    TORCH_CHECK(q_scale.dtype() == at::kFloat && k_scale.dtype() == at::kFloat && v_descale_heads.dtype() == at::kFloat &&
+                v_descale_heads.numel() == heads_kv && v_descale_heads.is_contiguous() &&
+                q_scale_strides.size() == 2 && k_scale_desc.size() == 3, "mode 6 scales: fp32 tensors and their strides");
+    a.q_scale = q_scale.data_ptr<float>();
+    a.k_scale = k_scale.data_ptr<float>();
+    a.v_descale_heads = v_descale_heads.data_ptr<float>();
+  } else if (quant_mode == 1) {
+    TORCH_CHECK(q_scale.dtype() == at::kByte && k_scale.dtype() == at::kByte && v_scale.dtype() == at::kByte &&
+                q_scale_strides.size() == 2 && k_scale_desc.size() == 7 && v_scale_desc.size() == 7 &&
+                v_scale_starts.size() == a.kv_starts.size(), "mode 1 scales: uint8 E8M0 tensors and their layout");
+    check_table(e8m0_table, "e8m0_table");
+    a.e8m0_table = e8m0_table.data_ptr<float>();
+    a.q_scale = q_scale.data_ptr<uint8_t>();
+    a.k_scale = k_scale.data_ptr<uint8_t>();
+    a.v_scale = v_scale.data_ptr<uint8_t>();
+  }
+  a.q_scale_strides = std::move(q_scale_strides);
+  a.k_scale_desc = std::move(k_scale_desc);
+  a.v_scale_desc = std::move(v_scale_desc);
+  a.v_scale_starts = std::move(v_scale_starts);
+  // What at::parallel_for reads to choose its team: torch's thread count, and whether the call
+  // is already inside a parallel region (then it runs on its caller alone).
+  a.threads = at::get_num_threads();
+  a.nested = at::in_parallel_region();
+  qfa_kernel::forward(a);
+}
+
+// The kernel's decoder on its own, for the tests: fp32 values of a 1-D uint8 tensor of codes, read
+// from byte ``offset`` on (the SIMD body and the scalar tail both run), and whether all are finite.
+std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd,
+                                          bool e4m3) {
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.dim() == 1 && codes.is_contiguous(), "codes: contiguous 1-D uint8");
+  check_table(decode_table, "decode_table");
+  at::Tensor out = codes.new_empty({codes.numel()}, at::TensorOptions().dtype(at::kFloat));
+  const bool finite = qfa_kernel::decode_codes(codes.data_ptr<uint8_t>(), codes.numel(), decode_table.data_ptr<float>(),
+                                               simd, e4m3, out.data_ptr<float>());
+  return {out, finite};
+}
+
+std::tuple<at::Tensor, bool> decode_e4m3_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd) {
+  return decode_codes(codes, decode_table, simd, true);
+}
+
+bool simd_decoder(const at::Tensor& decode_table) {
+  check_table(decode_table, "decode_table");
+  return qfa_kernel::simd_decoder(decode_table.data_ptr<float>(), false);
+}
+
+bool simd_e4m3_decoder(const at::Tensor& decode_table) {
+  check_table(decode_table, "decode_table");
+  return qfa_kernel::simd_decoder(decode_table.data_ptr<float>(), true);
+}
+
+// P's roundings on their own, for the tests: a rounded copy of a 1-D fp32 tensor.
+at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool simd) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 1, "x: 1-D fp32");
+  at::Tensor out = x.contiguous().clone();
+  qfa_kernel::round_p(out.data_ptr<float>(), out.numel(), round_consts, simd);
+  return out;
+}
+
+at::Tensor round_p_e4m3(const at::Tensor& x, bool simd, bool bf16) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 1, "x: 1-D fp32");
+  at::Tensor out = x.contiguous().clone();
+  qfa_kernel::round_p_e4m3(out.data_ptr<float>(), out.numel(), simd, bf16);
+  return out;
+}
+
+}  // namespace
 
 namespace {
 

@@ -12,7 +12,6 @@
 
 #include "kernel_config.h"
 
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,7 +33,7 @@ struct RoundConsts {
 };
 
 RoundConsts round_consts_of(const std::vector<int64_t>& v) {
-  TORCH_CHECK(v.size() == 7, "round_consts: 7 values");
+  QFA_CHECK(v.size() == 7, "round_consts: 7 values");
   return RoundConsts{{int32_t(v[0]), int32_t(v[1]), int32_t(v[2])}, int32_t(v[3]), int32_t(v[4]), int32_t(v[5]),
                      int32_t(v[6])};
 }
@@ -243,7 +242,7 @@ inline float row_max(const float* s, int64_t n) {
   float mx = kNegInf;
   if (n >= Vec::size()) {
     Vec acc(kNegInf);
-    for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(s + j));
+    for (; j + Vec::size() <= n; j += Vec::size()) acc = maximum(acc, Vec::loadu(s + j));
     alignas(64) float tmp[Vec::size()];
     acc.store(tmp);
     for (int i = 0; i < Vec::size(); ++i) mx = max_nan(mx, tmp[i]);

@@ -12,8 +12,7 @@
 #include "item_pool.h"
 #include "thread_scratch.h"
 
-#include <ATen/Parallel.h>
-
+#include <omp.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -58,17 +57,21 @@ Team team_setting() {
 // many threads entered it: for the tests.
 std::atomic<int> last_team{0}, last_entered{0};
 
-// Runs fn on items [0, n) on torch's OpenMP team of `threads`; returns how late (us) the latest of
-// its other threads arrived.
+// Runs fn on items [0, n) on torch's OpenMP team of `threads` (torch.get_num_threads(), read by
+// the bindings); returns how late (us) the latest of its other threads arrived. The region is the
+// one torch's at::parallel_for(0, threads, 1, ...) opens (this file includes no ATen header, see
+// simd_vec.h): `omp parallel` without a num_threads clause (torch avoids it for a bug in GOMP's
+// thread pool, pytorch#32008), thread t running share t; or, `nested` inside another parallel
+// region (at::in_parallel_region(), read by the bindings), the caller alone, as at::parallel_for.
 template <typename F>
-int64_t run_on_openmp(int64_t n, int64_t threads, const F& fn) {
+int64_t run_on_openmp(int64_t n, int64_t threads, bool nested, const F& fn) {
   Region r;
   r.fn = [&fn](int64_t i) { fn(i, thread_scratch()); };
   r.n = n;
   const int64_t t0 = now_us();
   std::atomic<int64_t> late{0};
   last_entered.store(0);
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t) {
+  auto share = [&](int64_t first) {
     last_entered.fetch_add(1);
     if (first > 0) {
       const int64_t us = now_us() - t0;
@@ -81,7 +84,23 @@ int64_t run_on_openmp(int64_t n, int64_t threads, const F& fn) {
     for (int spins = 0; r.done.load() != r.n && spins < 2000; ++spins) cpu_relax();
     std::unique_lock<std::mutex> lk(r.m);
     r.cv.wait(lk, [&] { return r.done.load() == r.n; });
-  });
+  };
+  if (nested || threads <= 1) {
+    share(0);
+    if (r.error) std::rethrow_exception(r.error);
+    return 0;
+  }
+#pragma omp parallel
+  {
+    const int64_t tid = omp_get_thread_num();
+    // Nothing may leave an OpenMP region by an exception: the items' own are in r.error.
+    try {
+      if (tid < threads) share(tid);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(r.m);
+      if (!r.error) r.error = std::current_exception();
+    }
+  }
   if (r.error) std::rethrow_exception(r.error);
   return late.load();
 }
@@ -94,10 +113,12 @@ std::atomic<int64_t> own_until{0};
 // Regions the current call has run (one per call: see forward), for the tests.
 std::atomic<int> regions{0};
 
+// `torch_threads`, `nested`: torch.get_num_threads() and at::in_parallel_region(), read by the
+// bindings.
 template <typename F>
-void run_items(int64_t n, const F& fn) {
+void run_items(int64_t n, int64_t torch_threads, bool nested, const F& fn) {
   regions.fetch_add(1);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t threads = std::min<int64_t>(torch_threads, n);
   const Team team = team_setting();
   if (threads <= 1 || team == Team::own || (team == Team::automatic && now_us() < own_until.load())) {
     last_team.store(threads <= 1 ? 0 : 1);
@@ -107,7 +128,7 @@ void run_items(int64_t n, const F& fn) {
   last_team.store(2);
   // The whole team, not `threads` of it: torch's region starts every thread and its closing
   // barrier waits for each, so each one's lateness must count (those past n take no item).
-  const int64_t late = run_on_openmp(n, at::get_num_threads(), fn);
+  const int64_t late = run_on_openmp(n, torch_threads, nested, fn);
   if (team == Team::automatic && late > kLateUs) own_until.store(now_us() + kOwnPoolMs * 1000);
 }
 

@@ -9,7 +9,7 @@
 
 #pragma once
 
-#include <c10/util/Exception.h>
+#include "kernel_config.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -28,7 +28,7 @@ using Buffer = std::unique_ptr<float, FreeDeleter>;
 Buffer alloc(int64_t n) {
   const size_t bytes = ((static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float) + 63) / 64) * 64;
   float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
-  TORCH_CHECK(p != nullptr, "qfa native attention: out of memory allocating ", bytes, " bytes of scratch");
+  QFA_CHECK(p != nullptr, "qfa native attention: out of memory allocating ", bytes, " bytes of scratch");
   return Buffer(p);
 }
 
