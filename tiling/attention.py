@@ -35,7 +35,7 @@ from qfa.tiling.attention_checks import (  # noqa: F401  (re-exported: the plan'
     LAYOUTS, MAX_BATCH, PACKED_LAYOUTS, PAGED_LAYOUTS, _AXES, _check_attn_mask, _check_max_seqlen, _check_paged,
     _contiguous_strides, _paged_shape, _shape_of, check_block_table_values, check_devices, check_heads,
     check_mask_mode, check_quant_mode, check_run_tensors, check_scale_values, check_shapes, check_softmax_scale,
-    check_unsupported, host_reads_are_free, lse_shape, normalised_strides, paged_strides, resolve_layouts,
+    Layouts, check_unsupported, host_reads_are_free, lse_shape, normalised_strides, paged_strides, resolve_layouts,
 )
 from qfa.tiling.checks import (
     apply_seqused, check_batch_size, check_bool, check_sequence_lengths, cumulative_lengths, int32_vector,
@@ -267,6 +267,10 @@ class AttentionPlan:
     #: (row, column) element strides of block_table: a table is read through them like every other
     #: tensor, so a transposed, step-sliced or expanded view reads the blocks it names.
     table_strides: tuple[int, int] = (0, 0)
+    #: What the backends derive from the plan alone (the descale shapes of modes 1 and 6, the
+    #: first keys of TND v_descale's sequences), kept for the next call the plan serves: plans
+    #: are cached per geometry. Not an argument (``dataclasses.replace`` starts a new one).
+    derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def paged(self) -> bool:
@@ -509,14 +513,18 @@ def _metadata_key(head_args: tuple, meta_args: dict) -> tuple | None:
     tensors by their dtype, shape and values (a host read, as plan_metadata's own), or None where
     an argument has no such key (a device or meta tensor, an object of another kind)."""
     key: list = ["metadata", head_args]
+    append = key.append
     for name, value in meta_args.items():
-        if isinstance(value, torch.Tensor):
-            if value.device.type != "cpu" or value.dim() != 1:
-                return None
-            key.append((name, value.dtype, tuple(value.tolist())))
-        elif value is None or type(value) in (int, str, bool) or isinstance(value, enum.Enum):
+        kind = type(value)
+        if value is None or kind is int or kind is str or kind is bool:  # the usual ones, first
             # the type too: True == 1 and hash alike, but only one of them may pass a check
-            key.append((name, type(value), value))
+            append((name, kind, value))
+        elif isinstance(value, torch.Tensor):
+            if not value.is_cpu or value.dim() != 1:  # is_cpu: device.type == "cpu", no device object
+                return None
+            append((name, value.dtype, tuple(value.tolist())))
+        elif isinstance(value, enum.Enum):
+            append((name, kind, value))
         else:
             return None
     return tuple(key)
@@ -539,6 +547,28 @@ def _cached_metadata(head_args: tuple, meta_args: dict) -> AttentionMetadata:
         while len(_plan_cache) >= PLAN_CACHE_SIZE:
             del _plan_cache[next(iter(_plan_cache))]
         return _plan_cache.setdefault(key, meta)
+
+
+#: resolve_layouts' results by their arguments (and the mode): a function of them alone, and the
+#: op resolves a call's layouts twice (itself, then its plan). Only results are kept (a call that
+#: fails runs the rules again, and raises), and only for arguments that are None or exact str: a
+#: bounded set, the combinations the rules accept.
+_layouts_cache: dict[tuple, Layouts] = {}
+
+
+def resolved_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale=None,
+                     quant_mode=QuantMode.HIF8_PER_TENSOR) -> Layouts:
+    """:func:`resolve_layouts`, remembered (same results, same errors)."""
+    mode = check_quant_mode(quant_mode)
+    for value in (layout, layout_q, layout_kv, layout_out, layout_q_descale):
+        if value is not None and type(value) is not str:
+            return resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale, mode)
+    key = (mode, layout, layout_q, layout_kv, layout_out, layout_q_descale)
+    layouts = _layouts_cache.get(key)
+    if layouts is None:
+        layouts = _layouts_cache.setdefault(key, resolve_layouts(layout, layout_q, layout_kv, layout_out,
+                                                                 layout_q_descale, mode))
+    return layouts
 
 
 def check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale) -> QuantMode:
@@ -565,6 +595,41 @@ def check_call_scales(plan: AttentionPlan, q_descale, k_descale, v_descale, p_sc
         check_scaled_values(plan, q_descale, k_descale, v_descale, p_scale, block_table)
 
 
+#: check_shapes' results by what they are a function of: q, k and v's shapes, the layouts and
+#: the mode (its head dims). A hit is shapes that passed, which cannot fail now; a miss runs the
+#: rules (and raises). Bounded as the plan cache is (a decode step's new Skv is a new entry).
+_shapes_cache: dict[tuple, tuple[dict, dict]] = {}
+
+
+def _checked_shapes(q, k, v, layout, mode: QuantMode, layout_kv) -> tuple[dict, dict]:
+    """check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, _ALL_LAYOUTS), remembered; the
+    sizes it returns are shared between calls: read them, never change them."""
+    if type(layout) is not str or type(layout_kv) is not str:
+        return check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, _ALL_LAYOUTS)
+    key = (mode, layout, layout_kv, q.shape, k.shape, v.shape)
+    sizes = _shapes_cache.get(key)
+    if sizes is None:
+        sizes = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, _ALL_LAYOUTS)
+        with _plan_cache_lock:
+            while len(_shapes_cache) >= PLAN_CACHE_SIZE:
+                del _shapes_cache[next(iter(_shapes_cache))]
+            sizes = _shapes_cache.setdefault(key, sizes)
+    return sizes
+
+
+def _check_call_devices(q: torch.Tensor, named: dict) -> None:
+    """check_devices(q.device, named): on the CPU, where every tensor's device is
+    ``device("cpu")``, by ``is_cpu`` (no device object per tensor); anything else, or a tensor
+    elsewhere, goes to check_devices, which raises its message."""
+    if q.is_cpu:
+        for t in named.values():
+            if t is not None and (type(t) is not torch.Tensor or not t.is_cpu):
+                break
+        else:
+            return
+    check_devices(q.device, named)
+
+
 def plan_attention(
     q, k, v, q_descale, k_descale, v_descale, quant_mode, *, p_scale=None, layout="BNSD", cu_seqlens_q=None,
     cu_seqlens_kv=None, seqused_q=None, seqused_kv=None, attn_mask=None, mask_mode=0, softmax_scale=None,
@@ -580,7 +645,7 @@ def plan_attention(
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     else:
-        layouts = resolve_layouts(None, layout, layout_kv, layout_out, layout_q_descale, mode)
+        layouts = resolved_layouts(None, layout, layout_kv, layout_out, layout_q_descale, mode)
         layout, layout_kv, layout_out, layout_q_descale = layouts
         if layout_kv == "PA_NZ":
             raise ValueError("layout_kv PA_NZ must be converted to PA_BNBD before planning "
@@ -590,14 +655,14 @@ def plan_attention(
         check_unsupported(win_left, win_right, sinks=sinks)
     else:
         check_unsupported(win_left, win_right, sinks=sinks, block_table=block_table)
-    check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
-                             "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
-                             "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
-                             "attn_mask": attn_mask, "block_table": block_table})
+    _check_call_devices(q, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
+                            "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
+                            "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
+                            "attn_mask": attn_mask, "block_table": block_table})
     if paged:
         qs, ks = _shape_of(q, "q", layout), _paged_shape(k, "k", layout_kv)
     else:
-        qs, ks = check_shapes(q, k, v, layout, HEAD_DIMS[mode], layout_kv, _ALL_LAYOUTS)
+        qs, ks = _checked_shapes(q, k, v, layout, mode, layout_kv)
     packed = layout in PACKED_LAYOUTS
     if (mode is QuantMode.HIF8_PER_TENSOR and layout_kv == layout and not packed
             and layout_q_descale in (None, "BSND") and cu_seqlens_q is None and cu_seqlens_kv is None

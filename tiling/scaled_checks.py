@@ -31,11 +31,19 @@ MAX_FINITE_E8M0 = E8M0_BIAS + 119
 
 def check_scaled_run_tensors(mode: QuantMode, q, k, v, q_descale, k_descale, v_descale, p_scale) -> None:
     """Static checks of a mode 1 / 6 call's tensors: types and dtypes (no value read)."""
+    scale_dtype = E8M0 if mode == QuantMode.MXFP8 else torch.float32
+    tensor = torch.Tensor
+    if (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor) and isinstance(q_descale, tensor)
+            and isinstance(k_descale, tensor) and isinstance(v_descale, tensor)
+            and q.dtype == E4M3 and k.dtype == E4M3 and v.dtype == E4M3 and q_descale.dtype == scale_dtype
+            and k_descale.dtype == scale_dtype and v_descale.dtype == scale_dtype):
+        if p_scale is not None:  # the rules below pass all the others: they need not run one by one
+            check_scalar_fp32(p_scale, "p_scale")
+        return
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         require_tensor(t, name)
         if t.dtype != E4M3:
             raise TypeError(f"{name} must be torch.float8_e4m3fn in quant_mode {int(mode)} ({mode.name}), got {t.dtype}")
-    scale_dtype = E8M0 if mode == QuantMode.MXFP8 else torch.float32
     hint = " (qfa.cast.mxfp8.quantize and pack_*_descale make them)" if mode == QuantMode.MXFP8 else ""
     for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")):
         require_tensor(t, name)
@@ -72,6 +80,11 @@ def descale_shapes(plan: AttentionPlan) -> dict[str, tuple[int, ...]]:
 
 
 def check_descale_shapes(plan: AttentionPlan, q_descale, k_descale, v_descale) -> None:
+    expected = plan.derived.get("descale_shapes")
+    if expected is None:  # a function of the plan alone: derived once per plan
+        expected = plan.derived.setdefault("descale_shapes", tuple(descale_shapes(plan).values()))
+    if q_descale.shape == expected[0] and k_descale.shape == expected[1] and v_descale.shape == expected[2]:
+        return
     layouts = {"q_descale": plan.meta.layout_q_descale, "k_descale": plan.meta.layout_kv,
                "v_descale": plan.meta.layout_kv}
     for (name, expected), t in zip(descale_shapes(plan).items(), (q_descale, k_descale, v_descale)):
@@ -83,7 +96,7 @@ def check_descale_shapes(plan: AttentionPlan, q_descale, k_descale, v_descale) -
 def _e8m0_max(codes: torch.Tensor, name: str) -> int:
     """The largest finite-scale exponent among E8M0 ``codes`` (uint8; NaN scales mark NaN blocks
     and are allowed)."""
-    top = int(codes.max()) if codes.numel() else E8M0_BIAS
+    top = codes.max().item() if codes.numel() else E8M0_BIAS
     if top == E8M0_NAN_CODE:  # the NaN code is the largest byte: look past it (rare: NaN blocks only)
         finite = codes[codes != E8M0_NAN_CODE]
         top = int(finite.max()) if finite.numel() else E8M0_BIAS
@@ -96,7 +109,8 @@ def _e8m0_max(codes: torch.Tensor, name: str) -> int:
 def _fp32_scale_max(t: torch.Tensor, name: str) -> float:
     """The largest of fp32 scales that must be > 0 and finite, or NaN (a NaN group's scale)."""
     if t.numel():  # one pass when no scale is NaN (min and max both propagate NaN)
-        lo, hi = (float(x) for x in torch.aminmax(t))
+        lo, hi = torch.aminmax(t)
+        lo, hi = lo.item(), hi.item()
         if lo > 0 and math.isfinite(hi):
             return hi
     known = t[~torch.isnan(t)]
@@ -179,7 +193,7 @@ def check_scaled_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_
     # take one reduction each, where gathering the used ones costs a copy per sequence. Only when
     # they fail (a spare block, padding or a real error) are the used scales gathered and judged.
     if plan.meta.quant_mode == QuantMode.MXFP8:
-        whole = tuple(t.view(torch.uint8) for t in (q_descale, k_descale, v_descale))
+        whole = (q_descale.view(torch.uint8), k_descale.view(torch.uint8), v_descale.view(torch.uint8))
     else:
         whole = (q_descale, k_descale, v_descale)
     try:
@@ -192,11 +206,15 @@ def check_scaled_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_
 
 def _check_scale_bounds(plan: AttentionPlan, p: float, scales: tuple[torch.Tensor, ...]) -> None:
     """check_scaled_values' rules on (q, k, v) scales: E8M0 codes as uint8, FP8's fp32."""
-    names = ("q_descale", "k_descale", "v_descale")
+    q, k, v = scales
     if plan.meta.quant_mode == QuantMode.MXFP8:
-        q_max, k_max, v_max = (2.0 ** _e8m0_max(t, n) for t, n in zip(scales, names))
+        q_max = 2.0 ** _e8m0_max(q, "q_descale")
+        k_max = 2.0 ** _e8m0_max(k, "k_descale")
+        v_max = 2.0 ** _e8m0_max(v, "v_descale")
     else:
-        q_max, k_max, v_max = (_fp32_scale_max(t, n) for t, n in zip(scales, names))
+        q_max = _fp32_scale_max(q, "q_descale")
+        k_max = _fp32_scale_max(k, "k_descale")
+        v_max = _fp32_scale_max(v, "v_descale")
     score = E4M3_MAX**2 * plan.head_dim * q_max * k_max * max(1.0, plan.softmax_scale)
     if score > FP32_MAX / 2:
         raise ValueError(f"q_descale and k_descale are too large for fp32 scores: 448^2 * D * max q scale * max k "

@@ -166,7 +166,7 @@ def quant_flash_attn(
         ``(out, lse)``: out is bf16 in q's layout and shape, rounded half away from zero. Rows
         that see no key (padding, or the first Sq - Skv rows of a causal call) give 0 and lse +inf.
     """
-    layouts = tiling.resolve_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale, quant_mode)
+    layouts = tiling.resolved_layouts(layout, layout_q, layout_kv, layout_out, layout_q_descale, quant_mode)
     if layouts.kv == "PA_NZ":  # MXFP8's NZ blocks: the same call on a PA_BNBD copy (bit for bit)
         mode = tiling.check_call_tensors(quant_mode, q, k, v, q_descale, k_descale, v_descale, p_scale)
         k, v, k_descale, v_descale = nz_layout.to_bnbd(mode, k, v, k_descale, v_descale)
@@ -190,10 +190,14 @@ def quant_flash_attn(
     if plan.device.type == "meta":  # shapes only, as a meta tensor promises
         return plan.new_outputs()
     if plan.meta.quant_mode != QuantMode.HIF8_PER_TENSOR:
+        kernel = _scaled_backend(plan, backend)
+        if kernel is cpu_kernel:
+            # Fresh outputs, the descales read as values: no graph to keep out (no no_grad).
+            # supports_scaled has just seen available() say True.
+            return kernel.forward_scaled(plan, q, k, v, q_descale, k_descale, v_descale, p_scale,
+                                         block_table=block_table, known_available=True)
         with torch.no_grad():
-            kernel = _scaled_backend(plan, backend)
-            run = kernel.forward_scaled if kernel is cpu_kernel else kernel.forward
-            return run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table=block_table)
+            return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table=block_table)
     if q.dtype != torch.uint8:  # the plan checked that q, k and v share one HiF8 dtype
         q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
     kernel = _backend(plan, backend)

@@ -233,6 +233,18 @@ def _group_split(heads_q: int, num_heads_kv) -> int:
 
 def unpack_q_descale(descale: torch.Tensor, head_dim: int, layout: str = "TND") -> torch.Tensor:
     """The inverse of :func:`pack_q_descale`: (Q_T, Q_N, ceil(D/32)) scales."""
+    if (isinstance(descale, torch.Tensor) and descale.dtype == E8M0 and descale.ndim == 4 and layout == "TND"
+            and type(head_dim) is int and head_dim > 0 and head_dim % VALUES_PER_PAIR == 0
+            and descale.shape[3] == PAIR and descale.shape[2] == head_dim // VALUES_PER_PAIR
+            and descale.is_contiguous()):
+        # The per-call case (the op's TND q at D = 64 / 128 / 256): no pad slot to drop, so the
+        # general path's result is a view of these bytes, with the strides this view gets.
+        return descale.view(descale.shape[0], descale.shape[1], 2 * descale.shape[2])
+    return _unpack_q_descale(descale, head_dim, layout)
+
+
+def _unpack_q_descale(descale: torch.Tensor, head_dim: int, layout: str) -> torch.Tensor:
+    """:func:`unpack_q_descale` for every input (its shortcut's results are this one's)."""
     _check_e8m0(descale, "descale")
     _check_layout(layout, "layout", Q_DESCALE_LAYOUTS)
     _check_ndim(descale, "descale", 4 if layout == "TND" else 5, f"q_descale in layout {layout}")

@@ -5,7 +5,10 @@ the descales' values, and the arguments the kernel is handed.
 What must hold: a cache hit is the plan a fresh derivation gives (and the same bits out), a
 changed geometry (shape, strides, layout, device, softmax_scale, return_lse, mask, bounds) is
 never served another's plan, every check still fails a bad call after its geometry was cached,
-and the kernel's fp32 scalars are bit for bit those of the tensor ops the torch path uses.
+and the kernel's fp32 scalars are bit for bit those of the tensor ops the torch path uses. For
+modes 1 and 6 also: what a plan derives once (descale shapes, TND v's first keys), the remembered
+layouts and shapes, the q_descale view and the ln p_scale memo hand the kernel the general
+derivation's arguments, and every scale value is still checked on a cached call.
 """
 
 from __future__ import annotations
@@ -489,3 +492,327 @@ def test_mode_lookups_keep_the_rules():
     for bad, error in ((False, TypeError), ("3", TypeError), (1, ValueError), (7, ValueError)):
         with pytest.raises(error, match="^mask_mode must be"):
             checks.check_mask_mode(bad)
+
+
+# ----------------------------------------------------------------------------- modes 1 and 6's light path
+
+def _mode1_case(q_lens=(3, 1), kv_lens=(200, 70), nq=4, nkv=2, seed=1):
+    """A TND MXFP8 call (D = 128) as (args, kwargs) of quant_flash_attn."""
+    from qfa.cast import mxfp8
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(n), h, D, generator=g) for n, h in ((q_lens, nq), (kv_lens, nkv), (kv_lens, nkv)))
+    (qe, qs), (ke, ks) = mxfp8.quantize(q), mxfp8.quantize(k)
+    starts = [0, *torch.tensor(kv_lens).cumsum(0).tolist()]
+    v_parts = [mxfp8.quantize(v[a:b], 0) for a, b in zip(starts[:-1], starts[1:])]
+    ve = torch.cat([e.view(torch.uint8) for e, _ in v_parts]).view(torch.float8_e4m3fn)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    args = [qe, ke, ve, mxfp8.pack_q_descale(qs), mxfp8.pack_k_descale(ks),
+            mxfp8.pack_v_descale([s for _, s in v_parts]), 1]
+    return args, dict(cu_seqlens_q=cu(q_lens), cu_seqlens_kv=cu(kv_lens), p_scale=torch.tensor([104.0]),
+                      return_softmax_lse=True, backend="torch")
+
+
+def _mode6_case(q_lens=(2, 1), kv_lens=(300, 129), nq=4, nkv=2, seed=2):
+    """An FP8 per-token-head call (q NTD, k/v PA_BNBD blocks of 128, one spare block)."""
+    from qfa.cast import fp8
+
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // 128) for n in kv_lens]
+    blocks = sum(per_seq) + 1
+    (qe, qs) = fp8.quantize_per_token_head(torch.randn(nq, sum(q_lens), D, generator=g))
+    (ke, ks) = fp8.quantize_per_token_head(torch.randn(blocks, nkv, 128, D, generator=g))
+    ve, vs = fp8.quantize_per_head(torch.randn(blocks, nkv, 128, D, generator=g), 1)
+    table = torch.zeros(len(kv_lens), max(per_seq), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(per_seq):
+        table[b, :n] = torch.arange(used, used + n, dtype=torch.int32)
+        used += n
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return [qe, ke, ve, qs, ks, vs, 6], dict(block_table=table, cu_seqlens_q=cu_q, p_scale=torch.tensor([448.0]),
+                                             seqused_kv=torch.tensor(kv_lens, dtype=torch.int32),
+                                             return_softmax_lse=True, backend="torch")
+
+
+SCALED_CASES = {1: _mode1_case, 6: _mode6_case}
+
+
+def _scaled_plan(args, kw):
+    """The plan the op makes for a mode 1 / 6 call (its default layouts)."""
+    layouts = tiling.resolved_layouts(None, None, None, None, None, args[6])
+    return tiling.plan_attention(*args, layout=layouts.q, layout_kv=layouts.kv, layout_out=layouts.out,
+                                 layout_q_descale=layouts.q_descale, **{n: x for n, x in kw.items() if n != "backend"})
+
+
+class _Recorder:
+    """The native module, its forward's arguments kept (the kernel still runs)."""
+
+    def __init__(self, real):
+        self.real, self.seen = real, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def forward(self, *args):
+        self.seen.append(args)
+        return self.real.forward(*args)
+
+
+def _same_argument(x, y) -> bool:
+    """The same kernel argument: tensors of one dtype, shape and strides holding the same bytes
+    (the decode tables hold NaN), sequences element by element, scalars of one type and value."""
+    if isinstance(x, torch.Tensor):
+        as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+        return (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
+                and x.stride() == y.stride() and torch.equal(as_bytes(x), as_bytes(y)))
+    if isinstance(x, (tuple, list)):
+        return isinstance(y, (tuple, list)) and len(x) == len(y) and all(map(_same_argument, x, y))
+    return type(x) is type(y) and x == y
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [1, 6])
+def test_the_op_hands_the_kernel_the_arguments_of_the_general_derivation(mode, monkeypatch, fresh_cache):
+    """Through the op (available() known, the plan's derived descriptors, the q_descale view, the
+    ln p_scale memo) the kernel gets the arguments a direct forward_scaled call derives, and those
+    are the general path's values: the unpacked q scales' bytes and strides, TND v's first keys
+    from the segment lengths, torch.log's fp32 ln p_scale as a double, bf16_dot() as the flag."""
+    from qfa.cast import mxfp8
+    from qfa.tiling.scaled_checks import kv_segment_lengths
+
+    recorder = _Recorder(cpu_kernel._module)
+    monkeypatch.setattr(cpu_kernel, "_module", recorder)
+    monkeypatch.setattr(cpu_kernel, "_ln_p", {})
+    args, kw = SCALED_CASES[mode]()
+    for p in (104.0, 448.0, 104.0, 1.0):  # a p_scale value again: the memo's entry
+        kw["p_scale"] = torch.tensor([0.0, p])[1:]  # at an offset: a tensor the memo has not seen
+        outs = [bits(qfa.quant_flash_attn(*args, **kw)) for _ in range(2)]  # cold, then cached
+        plan = _scaled_plan(args, kw)
+        direct = bits(cpu_kernel.forward_scaled(plan, *args[:6], kw["p_scale"], block_table=kw.get("block_table")))
+        op_cold, op_warm, direct_args = recorder.seen[-3:]
+        for got in (op_cold, op_warm):
+            assert len(got) == len(direct_args) and all(map(_same_argument, got, direct_args))
+        for out in outs:
+            assert torch.equal(out[0], direct[0]) and torch.equal(out[1], direct[1])
+        assert direct_args[18] == torch.log(torch.tensor([p])).item()
+        assert direct_args[29] is cpu_kernel.bf16_dot()
+        if mode == 1:
+            q_s, q_st, starts = direct_args[33], direct_args[34], direct_args[39]
+            want = mxfp8._unpack_q_descale(args[3], D, "TND").view(torch.uint8)
+            assert q_s.dtype == torch.uint8 and q_s.data_ptr() == want.data_ptr() and torch.equal(q_s, want)
+            assert list(q_st) == list(want.stride()[:2])
+            rows, want_starts = 0, []
+            for n in kv_segment_lengths(plan):
+                want_starts.append(64 * rows)
+                rows += -(-n // 64)
+            assert list(starts) == want_starts == [0, 256]
+
+
+def test_ln_p_scale_is_torch_log_of_every_tensor_holding_the_value(monkeypatch):
+    """The memo's entries are torch.log's results for other tensors of the same fp32 value too
+    (fresh, at an offset, strided, cast from float64), bit for bit; NaN and float64 p_scales are
+    not memoised, and the memo is bounded."""
+    monkeypatch.setattr(cpu_kernel, "_ln_p", {})
+    monkeypatch.setattr(cpu_kernel, "_LN_P_SIZE", 40)
+    rng = random.Random(3)
+    values = [1.0, 448.0, 104.0, 1.5, 0.0, -0.0, -1.0, math.inf, 2.0**-149, 3.4028234663852886e38]
+    values += [_fp32(rng.uniform(1.0, 448.0)) for _ in range(60)]
+
+    def double_bits(x: float) -> bytes:
+        return struct.pack("d", x)
+
+    for x in values:
+        forms = [torch.tensor([x]), torch.tensor([7.0, x])[1:], torch.tensor([x, 0.0, 5.0])[::2][:1],
+                 torch.tensor([x], dtype=torch.float64).float()]
+        for t in forms:
+            assert double_bits(cpu_kernel._ln_p_scale(t)) == double_bits(torch.log(t).item()), (x, t)
+    assert len(cpu_kernel._ln_p) == 40  # bounded: later values were computed, not kept
+    nan = cpu_kernel._ln_p_scale(torch.tensor([math.nan]))
+    assert math.isnan(nan) and all(k == k for k in cpu_kernel._ln_p)
+    wide = torch.tensor([1.1], dtype=torch.float64)
+    assert cpu_kernel._ln_p_scale(wide) == torch.log(wide).item() != torch.log(wide.float()).item()
+    assert cpu_kernel._ln_p_scale(None) == 0.0
+
+
+SCALED_BAD_VALUES = {
+    # (mode, descale index, what to do to it, message)
+    "mode 1 q scale": (1, 3, lambda t: t.view(torch.uint8).view(-1).__setitem__(0, 250),
+                       r"^q_descale must hold E8M0 scales <= 2\^119"),
+    "mode 1 k scale": (1, 4, lambda t: t.view(torch.uint8).view(-1).__setitem__(5, 250),
+                       r"^k_descale must hold E8M0 scales <= 2\^119"),
+    "mode 1 v scale": (1, 5, lambda t: t.view(torch.uint8).view(-1).__setitem__(9, 247),
+                       r"^v_descale must hold E8M0 scales <= 2\^119"),
+    "mode 1 q and k too large together": (1, 3, lambda t: t.view(torch.uint8).fill_(240),
+                                          r"^q_descale and k_descale are too large for fp32 scores"),
+    "mode 6 q scale": (6, 3, lambda t: t.view(-1).__setitem__(1, -1.0), r"^q_descale must hold finite scales > 0"),
+    "mode 6 k scale": (6, 4, lambda t: t[0].view(-1).__setitem__(3, math.inf),
+                       r"^k_descale must hold finite scales > 0"),
+    "mode 6 v scale": (6, 5, lambda t: t.__setitem__(1, 0.0), r"^v_descale must hold finite scales > 0"),
+    "mode 6 v too large": (6, 5, lambda t: t.fill_(3e38), r"^v_descale is too large for this call"),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(SCALED_BAD_VALUES))
+def test_a_scaled_call_whose_plan_is_cached_still_checks_every_scale_value(name, fresh_cache):
+    """The metadata, the plan and what it derives are cached by the good call: a call with the
+    same geometry and a bad scale value fails as it does from scratch."""
+    mode, index, spoil, message = SCALED_BAD_VALUES[name]
+    args, kw = SCALED_CASES[mode]()
+    bad = list(args)
+    bad[index] = args[index].clone()
+    spoil(bad[index])
+    with pytest.raises(ValueError, match=message) as cold:
+        qfa.quant_flash_attn(*bad, **kw)
+    fresh_cache.clear()
+    good = qfa.quant_flash_attn(*args, **kw)
+    assert fresh_cache and good[0].shape[0] == args[0].shape[0 if mode == 1 else 1]
+    with pytest.raises(ValueError) as warm:
+        qfa.quant_flash_attn(*bad, **kw)
+    assert str(warm.value) == str(cold.value)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [1, 6])
+def test_a_cached_scaled_plan_still_checks_the_descale_shapes_and_dtypes(mode, fresh_cache):
+    """The descale shapes are derived once per plan and the tensors' dtypes by one test of all:
+    a call on the cached plan with a descale of another shape or dtype fails with the message
+    it gets from scratch (naming the argument, the expected and the given)."""
+    args, kw = SCALED_CASES[mode]()
+    spoiled = []
+    for index in (3, 4, 5):
+        shape = list(args)
+        shape[index] = args[index][:1]
+        dtype = list(args)
+        dtype[index] = args[index].view(torch.uint8) if mode == 1 else args[index].double()
+        spoiled += [shape, dtype]
+    cold = []
+    for bad in spoiled:
+        fresh_cache.clear()
+        with pytest.raises((TypeError, ValueError)) as error:
+            qfa.quant_flash_attn(*bad, **kw)
+        cold.append((error.type, str(error.value)))
+    fresh_cache.clear()
+    plan = _scaled_plan(args, kw)
+    qfa.quant_flash_attn(*args, **kw)
+    assert plan.derived  # the plan's descale shapes are kept
+    for bad, (kind, message) in zip(spoiled, cold):
+        with pytest.raises(kind) as warm:
+            qfa.quant_flash_attn(*bad, **kw)
+        assert str(warm.value) == message
+        assert any(n in message for n in ("q_descale", "k_descale", "v_descale")) and "got" in message
+
+
+def test_a_replaced_plan_derives_afresh_and_equality_ignores_what_was_derived(fresh_cache):
+    import dataclasses
+
+    from qfa.tiling.scaled_checks import check_descale_shapes
+
+    args, kw = _mode1_case()
+    plan = _scaled_plan(args, kw)
+    check_descale_shapes(plan, *args[3:6])
+    assert "descale_shapes" in plan.derived
+    other = dataclasses.replace(plan, kv_lens=(199, 70))
+    assert other.derived == {} and other.derived is not plan.derived
+    assert dataclasses.replace(plan) == plan and hash(dataclasses.replace(plan)) == hash(plan)
+
+
+@needs_kernel
+def test_scaled_outputs_are_new_inputs_untouched_and_no_graph(fresh_cache):
+    """Modes 1 and 6 run the native kernel outside no_grad: fp32 descales and a p_scale that
+    require grad still give outputs with no graph, fresh each call, inputs unchanged."""
+    args, kw = _mode6_case()
+    for t in args[3:6]:
+        t.requires_grad_(True)
+    kw["p_scale"] = torch.tensor([448.0], requires_grad=True)
+    before = [t.detach().clone() for t in (*args[:6], kw["p_scale"])]
+    a, b = qfa.quant_flash_attn(*args, **kw), qfa.quant_flash_attn(*args, **kw)
+    for x, y in zip(a, b):
+        assert x.data_ptr() != y.data_ptr() and torch.equal(x, y)
+        assert not x.requires_grad and x.grad_fn is None
+    for t, want in zip((*args[:6], kw["p_scale"]), before):
+        assert torch.equal(t.detach().view(torch.uint8), want.view(torch.uint8))
+    plain = [t.detach() for t in args[:6]] + [6]
+    kw["p_scale"] = kw["p_scale"].detach()
+    assert torch.equal(bits(qfa.quant_flash_attn(*plain, **kw))[0], bits(a)[0])
+
+
+@pytest.mark.parametrize("mode", [0, 1, 6, 7])
+def test_resolved_layouts_are_the_rules_results_and_errors(mode):
+    """Remembered layouts: the rules' result for every combination, twice (the second from the
+    memo), and the rules' error for every bad one, also after good ones were remembered."""
+    import itertools
+
+    values = [None, "TND", "NTD", "BNSD", "PA_BNBD", "PA_BBND", "N2TGD", "NT", "BSND", "tnd", 3, ["TND"]]
+    for combo in itertools.product(values, values[:8], values, values[:5], values):
+        if sum(isinstance(x, (int, list)) for x in combo) > 1:
+            continue
+        outcomes = []
+        for resolve in (checks.resolve_layouts, tiling.resolved_layouts, tiling.resolved_layouts):
+            try:
+                outcomes.append(resolve(*combo, mode))
+            except (TypeError, ValueError) as error:
+                outcomes.append((type(error), str(error)))
+        assert outcomes[0] == outcomes[1] == outcomes[2], combo
+    with pytest.raises(TypeError, match="^quant_mode must be"):
+        tiling.resolved_layouts(None, None, None, None, None, True)  # True == 1 hashes alike: still refused
+
+
+def test_checked_shapes_are_check_shapes_results_and_errors(monkeypatch):
+    """Remembered shapes: check_shapes' sizes for a good call, its error for a bad one whether or
+    not a good call of other shapes was remembered; bounded."""
+    monkeypatch.setattr(tiling, "_shapes_cache", {})
+    monkeypatch.setattr(tiling, "PLAN_CACHE_SIZE", 4)
+    q, k, v = (torch.zeros(s, dtype=torch.float8_e4m3fn) for s in ((5, 4, D), (9, 2, D), (9, 2, D)))
+    want = checks.check_shapes(q, k, v, "TND", (64, 72, 128, 256), "TND", tuple(checks._AXES))
+    for _ in range(2):
+        assert tiling._checked_shapes(q, k, v, "TND", QuantMode.MXFP8, "TND") == want
+    bad_cases = [(q, k, v[:8]), (q, k[:, :1], v[:, :1].expand(9, 3, D)), (q[..., :64], k, v),
+                 (q[:, :3], k, v), (q.unsqueeze(0), k, v), (q, k, v)]
+    for bq, bk, bv in bad_cases[:-1]:
+        with pytest.raises(ValueError) as cold:
+            checks.check_shapes(bq, bk, bv, "TND", (64, 72, 128, 256), "TND", tuple(checks._AXES))
+        with pytest.raises(ValueError) as warm:
+            tiling._checked_shapes(bq, bk, bv, "TND", QuantMode.MXFP8, "TND")
+        assert str(warm.value) == str(cold.value)
+    with pytest.raises(ValueError, match="head dim D of q must be 128, got 64"):  # the mode's head dims
+        tiling._checked_shapes(q[..., :64], k[..., :64], v[..., :64], "TND", QuantMode.HIF8_PER_TENSOR, "TND")
+    for n in range(1, 7):
+        tiling._checked_shapes(q[:n], k, v, "TND", QuantMode.MXFP8, "TND")
+    assert len(tiling._shapes_cache) == 4
+
+
+def test_the_device_check_on_cpu_is_check_devices():
+    q = torch.zeros(3, 4, D, dtype=torch.float8_e4m3fn)
+    param = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+    tiling._check_call_devices(q, {"k": q, "p_scale": param, "block_table": None, "sinks": [1, 2]})
+    for named in ({"k": q.to("meta")}, {"k": q, "cu_seqlens_q": torch.zeros(2, dtype=torch.int32, device="meta")},
+                  {"p_scale": torch.nn.Parameter(torch.ones(1, device="meta"), requires_grad=False)}):
+        with pytest.raises(ValueError) as cold:
+            checks.check_devices(q.device, named)
+        with pytest.raises(ValueError) as fast:
+            tiling._check_call_devices(q, named)
+        assert str(fast.value) == str(cold.value) and "must be on q's device cpu, got meta" in str(cold.value)
+    with pytest.raises(ValueError, match="k must be on q's device meta, got cpu"):
+        tiling._check_call_devices(q.to("meta"), {"k": q})
+
+
+@pytest.mark.parametrize("mode", [1, 6])
+def test_the_scaled_dtype_checks_keep_their_messages(mode):
+    """check_scaled_run_tensors' one test of all dtypes passes only calls the rules pass; every
+    other call gets the rules' message for its first bad argument."""
+    from qfa.tiling.scaled_checks import check_scaled_run_tensors
+
+    args, kw = SCALED_CASES[mode]()
+    names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
+    check_scaled_run_tensors(QuantMode(mode), *args[:6], kw["p_scale"])
+    for i, name in enumerate(names):
+        for wrong in (args[i].view(torch.uint8) if args[i].dtype.itemsize == 1 else args[i].double(), [1.0]):
+            bad = list(args[:6])
+            bad[i] = wrong
+            with pytest.raises(TypeError, match=f"^{name} must be ") as error:
+                check_scaled_run_tensors(QuantMode(mode), *bad, kw["p_scale"])
+            assert "got" in str(error.value)
+    for p, error in ((torch.ones(1, dtype=torch.float64), TypeError), (torch.ones(2), ValueError), (1.0, TypeError)):
+        with pytest.raises(error, match="^p_scale must"):
+            check_scaled_run_tensors(QuantMode(mode), *args[:6], p)

@@ -379,6 +379,55 @@ def test_q_descale_tnd_and_n2tgd(d):
     assert np.array_equal(_u8(mxfp8.unpack_q_descale(n2, d, "N2TGD")), a)
 
 
+def _q_descale_views(d: int) -> list[torch.Tensor]:
+    """TND q_descales of head dim d: contiguous, one token with an odd stride on its size-1 axis,
+    no tokens, and views that are not contiguous (a head slice, a step over tokens, transposed)."""
+    packed = mxfp8.pack_q_descale(random_scales((6, 4, -(-d // 32)), seed=d))
+    pairs = packed.shape[2]
+    odd = packed.view(torch.uint8).as_strided((1, 4, pairs, 2), (999, 2 * pairs, 2, 1)).view(E8M0)
+    return [packed, packed[2:3], odd, packed[:0], packed[:, 1:3], packed[::2],
+            packed.transpose(0, 1).contiguous().transpose(0, 1)]
+
+
+@pytest.mark.parametrize("d", [64, 72, 128, 256])
+def test_unpack_q_descale_shortcut_is_the_general_path(d):
+    """unpack_q_descale's shortcut (TND, D a multiple of 64, a contiguous descale: no pad slot to
+    drop) returns what the general path returns: the same bytes, shape, strides and dtype, a view
+    of the descale where the general path gives one."""
+    for packed in _q_descale_views(d):
+        got, want = mxfp8.unpack_q_descale(packed, d), mxfp8._unpack_q_descale(packed, d, "TND")
+        assert got.dtype == want.dtype == E8M0
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert np.array_equal(_u8(got), _u8(want))
+        if want.numel():  # a view of the descale's bytes exactly where the general path gives one
+            assert (got.data_ptr() == packed.data_ptr()) == (want.data_ptr() == packed.data_ptr())
+        if d % 64 == 0 and packed.is_contiguous():
+            assert got._base is not None  # the shortcut's view, never a copy
+
+
+def test_unpack_q_descale_shortcut_keeps_the_checks():
+    """Inputs the shortcut does not take reach the general path's checks, with their messages."""
+    packed = mxfp8.pack_q_descale(random_scales((3, 4, 4), seed=1))  # D = 128: 2 pairs
+    with pytest.raises(ValueError, match="head_dim 192 needs 3 scale pairs, the descale holds 2"):
+        mxfp8.unpack_q_descale(packed, 192)
+    with pytest.raises(ValueError, match="head_dim 64 needs 1 scale pairs, the descale holds 2"):
+        mxfp8.unpack_q_descale(packed, 64)
+    for bad in (True, 128.0, -128, 0):
+        with pytest.raises(ValueError, match="head_dim must be a positive int"):
+            mxfp8.unpack_q_descale(packed, bad)
+    with pytest.raises(TypeError, match="descale must be torch.float8_e8m0fnu, got torch.uint8"):
+        mxfp8.unpack_q_descale(packed.view(torch.uint8), 128)
+    with pytest.raises(ValueError, match=r"descale must be 5-D q_descale in layout N2TGD, got shape \(3, 4, 2, 2\)"):
+        mxfp8.unpack_q_descale(packed, 128, "N2TGD")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        mxfp8.unpack_q_descale(packed, 128, "BSND")
+    with pytest.raises(ValueError, match=r"descale must be 4-D q_descale in layout TND, got shape \(12, 2, 2\)"):
+        mxfp8.unpack_q_descale(packed.flatten(0, 1), 128)
+    triple = packed.view(torch.uint8).unflatten(-1, (1, 2)).expand(3, 4, 2, 3, 2)[..., 0].contiguous()
+    with pytest.raises(ValueError, match="paired must have a last axis of 2"):
+        mxfp8.unpack_q_descale(triple.view(E8M0), 128)
+
+
 @pytest.mark.parametrize("layout", ["TND", "PA_BBND", "PA_BNBD"])
 def test_k_descale_nd_layouts(layout):
     shape = {"TND": (37, 3, 72), "PA_BBND": (4, 64, 3, 72), "PA_BNBD": (4, 3, 64, 72)}[layout]

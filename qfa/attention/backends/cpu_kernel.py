@@ -90,8 +90,10 @@ import torch
 
 from qfa import csrc
 from qfa.cast import luts
+from qfa.cast import mxfp8
 from qfa.cast import rounding
 from qfa.tiling.attention import AttentionPlan, lse_shape, normalised_strides
+from qfa.tiling.spec import QuantMode
 
 ENV_VAR = "QFA_NATIVE"
 SOURCE = Path(csrc.__file__).resolve().parent / "cpu_attention.cpp"
@@ -482,9 +484,6 @@ def _pairs_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _mxfp8_scales(plan: AttentionPlan, q_descale, k_descale, v_descale):
     """(q scales (Tq, Nq, ceil(D/32)) uint8 and its (token, head) strides, k and v scales as
     uint8 views with the kernel's descriptors, v's per-batch first key)."""
-    from qfa.cast import mxfp8
-    from qfa.tiling.scaled_checks import kv_segment_lengths
-
     meta = plan.meta
     q_s = _bytes(mxfp8.unpack_q_descale(q_descale, plan.head_dim, meta.layout_q_descale))
     k_s = _bytes(_pairs_contiguous(k_descale))
@@ -493,10 +492,9 @@ def _mxfp8_scales(plan: AttentionPlan, q_descale, k_descale, v_descale):
     if meta.layout_kv == "TND":  # k (T, N, P, 2); v (sum ceil(len/64), N, D, 2)
         k_desc = [0, st_k[1], st_k[0], 1, 0, 1, 32]
         v_desc = [0, st_v[1], st_v[0], 64, st_v[3], st_v[2], 1]
-        rows, starts = 0, []
-        for n in kv_segment_lengths(plan):
-            starts.append(64 * rows)
-            rows += -(-n // 64)
+        starts = plan.derived.get("mxfp8_v_starts")
+        if starts is None:  # a function of the plan's lengths alone: derived once per plan
+            starts = plan.derived.setdefault("mxfp8_v_starts", _tnd_v_starts(plan))
     elif meta.layout_kv == "PA_BBND":  # k (Bn, Bs, N, P, 2); v (Bn, Bs/64, N, D, 2)
         k_desc = [st_k[0], st_k[2], st_k[1], 1, 0, 1, 32]
         v_desc = [st_v[0], st_v[2], st_v[1], 64, st_v[4], st_v[3], 1]
@@ -508,20 +506,55 @@ def _mxfp8_scales(plan: AttentionPlan, q_descale, k_descale, v_descale):
     return q_s, list(q_s.stride()[:2]), k_s, k_desc, v_s, v_desc, starts
 
 
+def _tnd_v_starts(plan: AttentionPlan) -> tuple[int, ...]:
+    """TND v_descale: each sequence's first key in the stacked scale rows (sequences start at
+    multiples of 64 keys there: their key counts are padded to pairs of 32-key blocks)."""
+    from qfa.tiling.scaled_checks import kv_segment_lengths
+
+    rows, starts = 0, []
+    for n in kv_segment_lengths(plan):
+        starts.append(64 * rows)
+        rows += -(-n // 64)
+    return tuple(starts)
+
+
+#: ln(p_scale) by p_scale's value: torch.log of a one-element fp32 tensor is a function of that
+#: value (TensorIterator runs the scalar logf on fewer elements than a vector), so the entry made
+#: from the first tensor holding it is the double torch.log(p_scale).item() gives for every other
+#: (+0.0 and -0.0, equal keys, both give -inf). Bounded: a new value past the bound is not kept.
+_LN_P_SIZE = 64
+_ln_p: dict[float, float] = {}
+
+
+def _ln_p_scale(p_scale: torch.Tensor | None) -> float:
+    if p_scale is None:
+        return 0.0
+    if p_scale.dtype != torch.float32:  # the memo is of fp32's log (the op only passes fp32 here)
+        return torch.log(p_scale).item()
+    p = p_scale.item()
+    ln_p = _ln_p.get(p)
+    if ln_p is None:
+        ln_p = torch.log(p_scale).item()
+        if len(_ln_p) < _LN_P_SIZE and p == p:  # NaN is never equal to a key: no entry for it
+            _ln_p[p] = ln_p
+    return ln_p
+
+
 def forward_scaled(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
     *, block_table: torch.Tensor | None = None, bf16_dot: bool | None = None,
     split_rows: int = SPLIT_ROWS, tile_rows: int = TILE_ROWS, chunk_keys: int = CHUNK_BLOCKS * 256,
+    known_available: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a mode 1 / 6 plan as :func:`qfa.attention.backends.scaled_torch_path.forward` does;
     returns (out bf16 TND, lse fp32 (Nq, Tq) or an empty tensor). ``bf16_dot`` as in
-    :func:`run_into`. ``chunk_keys``: keys per chunk of a split (decode) item, whole blocks."""
-    from qfa.tiling.spec import QuantMode
-
+    :func:`run_into`. ``chunk_keys``: keys per chunk of a split (decode) item, whole blocks.
+    ``known_available``: the caller has just seen :func:`available` say True (the op has, in
+    :func:`supports_scaled`)."""
     if plan.device.type != "cpu":
         raise ValueError(f"q must be on the CPU for the native kernel, got {plan.device}")
-    if not available():
+    if not (known_available and _module is not None) and not available():
         raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.backends.cpu_kernel.available)")
     mode = int(plan.meta.quant_mode)
     if mode not in (QuantMode.MXFP8, QuantMode.FP8_PER_TOKEN_HEAD):
@@ -535,7 +568,8 @@ def forward_scaled(
         lse = torch.empty(0, dtype=torch.float32)
         lse_strides = (0, 0, 0)
     if bf16_dot is None:
-        bf16_dot = bf16_dot_enabled()
+        # bf16_dot() with the module known to be loaded (it would ask available() once more)
+        bf16_dot = _module.has_bf16_dot() and os.environ.get(BF16_ENV_VAR, "1") != "0"
     elif bf16_dot and not _module.has_bf16_dot():
         raise ValueError(f"bf16_dot=True needs the AVX512_BF16 build (this CPU's is {cpu_capability()})")
     if mode == QuantMode.MXFP8:
@@ -550,7 +584,7 @@ def forward_scaled(
                 v_descale.contiguous())
         v_scalar = 1.0
     dscale = round_fp32(plan.softmax_scale)
-    ln_p = torch.log(p_scale).item() if p_scale is not None else 0.0
+    ln_p = _ln_p_scale(p_scale)
     chunk_blocks = max(1, chunk_keys // plan.block_n)
     _module.forward(
         _bytes(q), _bytes(k), _bytes(v), (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, plan.out_strides,
