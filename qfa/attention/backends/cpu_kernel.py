@@ -195,8 +195,9 @@ def peak_kinds() -> list[str]:
 def peak_gflops(kind: str, threads: int | None = None, seconds: float = 0.2) -> float:
     """The CPU's measured peak: ``threads`` threads (default torch's count) at once run
     independent chains of ``kind`` (see :func:`peak_kinds`), each for about ``seconds`` of its
-    own CPU time; the sum of their GFLOP/s, each over its CPU time (so another process sharing
-    the cores does not lower it)."""
+    own CPU time, timed in windows of a few milliseconds of it; the sum of the threads' best
+    window rates (so neither another process sharing the cores nor a slow stretch of a shared
+    virtual machine's host lowers it)."""
     kinds = peak_kinds()
     if kind not in kinds:
         raise ValueError(f"kind must be one of this build's {kinds}, got {kind!r}")
