@@ -453,3 +453,31 @@ def test_engine_kwargs_calibration_of_a_wrong_type_names_the_argument():
     with pytest.raises(TypeError, match="calibration"):
         engine_kwargs(calibration=123)
 
+
+
+def test_a_layer_handed_back_with_a_model_dtype_cache_gets_a_builder_told_that_dtype():
+    """vLLM's CPU_ATTN builder reads the engine-wide cache dtype ("fp8" in a qfa engine): for a
+    layer handed back with a cache in the model's dtype it refused to start on CPUs without
+    AVX-512 or AMX. Such a layer gets HandedBackCpuBackend, whose builder sees "auto"; a layer
+    that keeps vLLM's fp8 cache gets CPU_ATTN itself."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadataBuilder
+
+    from qfa.integrations.vllm import handed_back
+    from qfa.integrations.vllm.platform import HANDED_BACK_PATH
+
+    kept = AttentionSelectorConfig(head_size=D, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
+                                   has_sliding_window=True)
+    assert support.unsupported_reason(kept) is not None
+    assert QfaCpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, kept) == HANDED_BACK_PATH
+    fp8 = AttentionSelectorConfig(head_size=D, dtype=torch.bfloat16, kv_cache_dtype="fp8", block_size=None,
+                                  has_sliding_window=True)
+    assert QfaCpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, fp8) == AttentionBackendEnum.CPU_ATTN.get_path()
+    backend = handed_back.HandedBackCpuBackend
+    assert issubclass(backend, CPUAttentionBackend) and backend.get_name() == CPUAttentionBackend.get_name()
+    assert issubclass(backend.get_builder_cls(), CPUAttentionMetadataBuilder)
+    assert backend.get_impl_cls() is CPUAttentionBackend.get_impl_cls()
+    engine = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8", block_size=128), model_config="m")
+    told = handed_back.with_cache_dtype(engine, handed_back.UNQUANTIZED_CACHE_DTYPE)
+    assert told.cache_config.cache_dtype == "auto" and told.cache_config.block_size == 128 and told.model_config == "m"
+    assert engine.cache_config.cache_dtype == "fp8"  # the engine's own config untouched
+    assert handed_back._quantized(torch.uint8) and not handed_back._quantized(torch.bfloat16)

@@ -7,7 +7,9 @@ for CUSTOM. So qfa ships a ``vllm.platform_plugins`` entry whose platform is ``C
 two changes, both inert unless CUSTOM was asked for:
 
 * **Selection, per layer.** A decoder layer with head size 128, no sliding window and no sinks,
-  whose cache is the 1-byte one, gets qfa's backend; any other layer gets CPU_ATTN, as before.
+  whose cache is the 1-byte one, gets qfa's backend; any other layer gets CPU_ATTN, as before
+  (with a cache in the model's dtype: CPU_ATTN with a metadata builder told that dtype, see
+  :mod:`qfa.integrations.vllm.handed_back`).
 * **Configuration, at engine start.** The cache dtype must be ``"fp8"`` (the 1-byte cache qfa
   fills with HiF8 codes); the layers qfa cannot run are listed in vLLM's
   ``kv_cache_dtype_skip_layers`` so that they keep a cache in the model's dtype (vLLM's fp8
@@ -29,6 +31,8 @@ from qfa.integrations.vllm import support
 logger = logging.getLogger("vllm.qfa")  # under vLLM's logger: its handler prints it
 
 BACKEND_PATH = "qfa.integrations.vllm.backend.QfaHiF8Backend"
+#: CPU_ATTN for the layers handed back with a cache in the model's dtype (see handed_back.py).
+HANDED_BACK_PATH = "qfa.integrations.vllm.handed_back.HandedBackCpuBackend"
 
 
 class QfaCpuPlatform(CpuPlatform):
@@ -48,7 +52,10 @@ class QfaCpuPlatform(CpuPlatform):
             logger.warning("qfa: layers with %s run on vLLM's CPU_ATTN with vLLM's own fp8 e4m3 cache (its scales, "
                            "1.0 unless the checkpoint has them); list their indices in kv_cache_dtype_skip_layers "
                            "to give them a cache in the model's dtype", reason)
-        return super().get_attn_backend_cls(None, attn_selector_config, num_heads)
+        path = super().get_attn_backend_cls(None, attn_selector_config, num_heads)
+        if path == AttentionBackendEnum.CPU_ATTN.get_path() and attn_selector_config.kv_cache_dtype != opts.VLLM_CACHE_DTYPE:
+            return HANDED_BACK_PATH
+        return path
 
     _warned: set = set()
 
