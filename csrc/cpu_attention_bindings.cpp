@@ -12,10 +12,11 @@
 // converts sequences of ints, str and the results as pybind11's stl and str casters did, and
 // raises C++ errors as torch's pybind11 translator did (torch::translate_exception_to_python:
 // TORCH_CHECK is a RuntimeError with the message alone, and so is the kernel's own QFA_CHECK, a
-// std::runtime_error). A second source, so it compiles beside the kernel; the kernel's code is
-// not here, so nothing in this file can change one of its bits. Cold build on the AVX2 EPYC
-// (2026-12-03): this file 5.9 s and the kernel's 5.8 s, on two cores at once, where the kernel's
-// alone took 12 s with torch's vector and tensor headers.
+// std::runtime_error). A second source, so it compiles beside the kernel. The kernel's code is
+// not here; what this file computes is torch's own: host_mm's GEMM (torch's mm, which the kernel
+// called before) and fill's zeros and infinities. Cold build on the Zen 3 EPYC (2026-12-03),
+// each file compiled alone: this one 5.9 s, the kernel's 5.8 s, where the kernel's took 12.0 s
+// with torch's vector and tensor headers.
 //
 // kernel_api.h's declarations are the definitions' signatures: one that differs leaves an
 // undefined symbol, and the module fails to import (the op then runs the torch path and says so).
@@ -163,8 +164,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   qfa_kernel::forward(a);
 }
 
-// The kernel's decoder on its own, for the tests: fp32 values of a 1-D uint8 tensor of codes, read
-// from byte ``offset`` on (the SIMD body and the scalar tail both run), and whether all are finite.
+// The kernel's decoder on its own, for the tests: fp32 values of a 1-D uint8 tensor of codes (the
+// SIMD body and the scalar tail both run), and whether all are finite.
 std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd,
                                           bool e4m3) {
   TORCH_CHECK(codes.dtype() == at::kByte && codes.dim() == 1 && codes.is_contiguous(), "codes: contiguous 1-D uint8");

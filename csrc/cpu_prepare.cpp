@@ -897,8 +897,8 @@ void mean_of(const char* x, int dt, int64_t rows, int64_t stride_bytes, float* m
 // ---- threads ---------------------------------------------------------------------------------------
 
 // libgomp's thread team does not survive fork: a child's first parallel region would wait
-// forever for the parent's threads. A forked process (and its descendants) runs everything on
-// its calling thread.
+// forever for the parent's threads. A forked process (and its descendants) runs the passes on
+// the own pool (which starts afresh there) and the flat casts on its calling thread.
 std::atomic<bool> g_forked{false};
 
 void mark_forked() { g_forked.store(true); }
@@ -918,8 +918,8 @@ constexpr int64_t kParallelRows = 512;
 // was preempted mid-chunk: another process busy on its core, or the host's, on a shared virtual
 // machine), or lost this much of its own time to a thread sharing its core, sends the next
 // kPoolMs of passes to the library's own pool (item_pool.h), whose caller waits only for the
-// chunks a thread has taken: a helper slow to wake takes none, so a pass there is never slower
-// than the caller alone. Measured on the shared 2-core hosts: the team took 0.7-1.0 ms for the
+// chunks a thread has taken: a helper slow to wake takes none (one preempted in the middle of a
+// chunk still holds the caller up, for that chunk's time). Measured on the shared 2-core hosts: the team took 0.7-1.0 ms for the
 // drop-in's three tensors at S = 1024 where the caller alone took 1.2-1.5 ms, but one region in
 // four waited 5-25 ms for a thread whose core another process held; on a quiet AVX2 EPYC guest
 // (2026-12-03) regions still waited 0.7-1.8 ms at their end now and then, and the caller-alone
@@ -931,6 +931,8 @@ std::atomic<int64_t> pool_until{0};
 // 0: as above; 1: always the calling thread; 2: always the OpenMP team, 3: always the own pool,
 // when a pass is large enough (the tests pin each, to check that they give the same bits).
 std::atomic<int> team_mode{0};
+// Who ran the last pass (0 the caller alone, 1 the own pool, 2 OpenMP): for the tests.
+std::atomic<int> last_team{0};
 
 // The calling thread's CPU time (us): where it falls behind the wall clock during a region, the
 // thread shared its core (both of the team's threads put on one core when another process holds
@@ -948,13 +950,23 @@ template <typename F>
 void run_chunks(int64_t n, int64_t rows, int64_t threads, const F& fn) {
   const int mode = team_mode.load();
   if (threads <= 1 || n < 2 || rows < kParallelRows || mode == 1) {
+    last_team.store(0);
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
   if (g_forked.load() || mode == 3 || (mode == 0 && now_us() < pool_until.load())) {
-    Pool::get().run(n, std::min(threads, n), [&fn](int64_t i) { fn(i); });
+    try {
+      Pool::get().run(n, std::min(threads, n), [&fn](int64_t i) { fn(i); });
+      last_team.store(1);
+    } catch (...) {
+      // No helper thread (the process's thread limit, memory): nothing may leave a C entry
+      // point, and a chunk's result is the same whoever runs it, again: the caller runs them all.
+      last_team.store(0);
+      for (int64_t i = 0; i < n; ++i) fn(i);
+    }
     return;
   }
+  last_team.store(2);
   std::atomic<int64_t> next{0};
   const int64_t wall0 = now_us(), cpu0 = thread_cpu_us();
   int64_t wall1 = 0, cpu1 = 0;
@@ -1009,6 +1021,8 @@ void qfa_set_constants(const int64_t* c) {
 int64_t qfa_isa_level() { return kDetected; }
 
 void qfa_set_team(int64_t mode) { team_mode.store((int)mode); }
+
+int64_t qfa_last_team() { return last_team.load(); }
 
 // Pass 1 of a tensor: the statistics of y = H (x - mu) (each part optional) over the valid rows:
 // [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else 0.0]; the sum is

@@ -109,10 +109,21 @@ class Pool {
  public:
   static Pool& get() {
     static std::once_flag registered;
-    std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, [] { instance() = nullptr; }); });
-    Pool*& p = instance();
-    if (!p) p = new Pool();  // never destroyed: its threads sleep until the process exits
-    return *p;
+    std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); }); });
+    std::atomic<Pool*>& p = instance();
+    Pool* cur = p.load(std::memory_order_acquire);
+    if (!cur) {
+      // Two threads' first regions at once (the preparation's passes run without the GIL): one
+      // pool is kept, the other deleted before it started a thread. Never destroyed: its
+      // threads sleep until the process exits.
+      Pool* made = new Pool();
+      if (p.compare_exchange_strong(cur, made, std::memory_order_acq_rel)) {
+        cur = made;
+      } else {
+        delete made;
+      }
+    }
+    return *cur;
   }
 
   // Runs fn on every item with up to threads - 1 pool threads beside the caller.
@@ -152,8 +163,8 @@ class Pool {
   }
 
  private:
-  static Pool*& instance() {
-    static Pool* p = nullptr;
+  static std::atomic<Pool*>& instance() {
+    static std::atomic<Pool*> p{nullptr};
     return p;
   }
 

@@ -46,7 +46,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// The kernel's checks: no c10 header here (see simd_vec.h), so a failed one throws a
+// The kernel's checks: no c10 header in the SIMD builds (see simd_vec.h), so a failed one throws a
 // std::runtime_error, which the bindings turn into a Python RuntimeError as they did TORCH_CHECK's
 // c10::Error. The message is the parts given, numbers in decimal.
 inline void append_part(std::string& s, const char* p) { s += p; }

@@ -388,8 +388,8 @@ print(mod._module.last_region()[0])
 
 
 def test_a_late_team_thread_that_takes_no_part_is_noticed(nest_module_path):
-    """With fewer items than torch's threads, run_on_openmp's at::parallel_for(0, threads) still
-    starts the whole team (torch's region has no num_threads clause) and its closing barrier waits
+    """With fewer items than torch's threads, run_on_openmp's region (at::parallel_for's: no
+    num_threads clause) still starts the whole team and its closing barrier waits
     for every thread, but only threads 0..threads-1 enter the lambda and are timed: a late thread
     past them holds the call up and the own-pool fallback never hears of it."""
     done = _run(_IDLE_LATE_SCRIPT, nest_module_path, team="", timeout=300)

@@ -158,10 +158,13 @@ def test_a_forked_child_runs_the_prepare_passes_on_the_pool():
         "def digest():\n"
         "    codes, scale, sat = prepare.encode_tokens(x)\n"
         "    return hashlib.sha1(codes.numpy().tobytes()).hexdigest() + repr(float(scale)) + repr(int(sat))\n"
+        "from qfa.attention.backends import cpu_prepare\n"
+        "torch.set_num_threads(2)\n"
         "want = digest()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    os._exit(0 if digest() == want and digest() == want else 3)\n"
+        "    same = digest() == want and digest() == want\n"
+        "    os._exit(0 if same and cpu_prepare.last_team() == 'pool' else 3)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "print(os.waitstatus_to_exitcode(status))\n"
     )
@@ -312,6 +315,7 @@ def test_no_bit_depends_on_the_thread_count_or_the_team(threads, monkeypatch):
             mu = torch.empty(1, heads, D)
             stats = cpu_prepare.stats(big, strides, segs, heads, True, rotation.normalisation(D), mean=mu,
                                       compute_mean=True)
+            assert cpu_prepare.last_team() == (team if threads > 1 else "caller")  # the pinned team ran it
             codes = prepare.encode_rows(big, "TND", segs, rotate=True, scale=None, reduction=cal.RMS_REDUCTION)[0]
             results.append((stats, mu, codes, prepare.quantized_inputs(c, dropin_eager.static_scale),
                             prepare.restore_output(big.contiguous(), torch.float16)))

@@ -47,8 +47,9 @@ applied with one ``vpmaddubsw``; bit-exact to the table) into an L1 buffer and t
 run from there in a fixed order; their P @ V chains are the tiles' (a zero P adds nothing to a
 finite value), and a block holding a non-finite V value runs them so that it reaches only the
 rows that see its key. Which path a
-block takes depends only on the item's shape. The scalar build (no vector ISA) calls MKL's
-sgemm per block (``at::mm_out``); its workers pin both OpenMP's and MKL's thread count to 1
+block takes depends only on the item's shape. The scalar build (no vector ISA), and head dims
+other than 128, call torch's mm per block (MKL's sgemm where torch has it; ``host_mm`` in the
+bindings, as the kernel's file includes no ATen header); its workers pin both OpenMP's and MKL's thread count to 1
 (torch sets MKL's, which MKL reads instead of OpenMP's: without it, every GEMM inside a worker
 opened a nested team).
 
@@ -135,8 +136,8 @@ BF16_ENV_VAR = "QFA_BF16_DOT"
 #: Whether the kernel reads paged K/V (a block table) in place: op.py then hands it the table.
 READS_PAGED_KV = True
 # No contraction to FMA: the fused step must round S * dScale and the subtraction separately,
-# as the torch path does. -fopenmp: at::parallel_for's region is a header template, compiled
-# here; without it the region ran on the calling thread alone.
+# as the torch path does. -fopenmp: the kernel opens torch's OpenMP region itself (the one
+# at::parallel_for opens, see csrc/parallel_region.h), and the preparation its own.
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()  # held for the build: a second caller waits for it

@@ -68,6 +68,7 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = {
     "qfa_set_constants": (None, [_P]),
     "qfa_isa_level": (_I, []),
+    "qfa_last_team": (_I, []),
     "qfa_set_team": (None, [_I]),
     "qfa_prep_stats": (_I, [_P, _I, _P, _P, _I, _I, _I, _D, _P, _I, _I, _I, _P]),
     "qfa_key_means": (_I, [_P, _I, _P, _P, _I, _I, _P, _I]),
@@ -205,6 +206,12 @@ def set_team(mode: str) -> None:
     if mode not in TEAMS:
         raise ValueError(f"mode must be one of {TEAMS}, got {mode!r}")
     module().qfa_set_team(TEAMS.index(mode))
+
+
+def last_team() -> str:
+    """Who ran the last pass: ``"caller"`` (alone), ``"pool"`` (the library's own pool beside the
+    caller) or ``"openmp"`` (torch's team); for the tests."""
+    return ("caller", "pool", "openmp")[module().qfa_last_team()]
 
 
 def isa_level() -> int:
