@@ -146,14 +146,43 @@ def test_a_calibration_file_for_another_model_fails_at_engine_start(tiny, calibr
     assert str(wrong) in res["message"] and "num_layers 3 in the file, 2 in the model" in res["message"]
 
 
+#: The widest top-1 / top-2 logprob gap (nats) of the single-rank run at which the two-rank run
+#: may take the other token: a near tie. Two ranks sum the row-parallel layers' partial products
+#: in another order (fp32 rounding, about 1e-7 relative), and a HiF8 code flips where that moves
+#: a K or V value across a rounding boundary (one code step, 2^-4 relative, in one element). The
+#: one divergence seen (Zen 3 EPYC, AVX2 only, 2026-12-03: the 36th of 36 tokens) had a gap of
+#: 6.3e-4; the bound is 80 times that, and 0.05 nats of 384 tokens is still a near tie.
+NEAR_TIE = 0.05
+
+
+def _first_divergence(one: dict, two: dict) -> list[tuple[int, int, float, list]]:
+    """Per sequence where the runs' tokens part: (sequence, position, the single-rank run's
+    top-1 / top-2 gap there, the two runs' tokens there); sequences that agree throughout give none."""
+    out = []
+    for s, (a, b, top2) in enumerate(zip(one["tokens"], two["tokens"], one["top2"])):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                (t1, l1), (t2, l2) = top2[i]
+                out.append((s, i, l1 - l2, [x, y, t1, t2]))
+                break
+    return out
+
+
 def test_tensor_parallel_2_gives_the_tokens_of_1(tiny):
     """fp32 (in bf16, the row-parallel all-reduce's rounding alone flips near-tied argmaxes of a
     random model). The scales come from the first tokens written, all-reduced across the two
     ranks: one request runs alone first, so both engines fix them from the same tokens (which
-    requests share the first batch is up to vLLM's scheduler and its timing)."""
+    requests share the first batch is up to vLLM's scheduler and its timing). Both runs give
+    the same tokens, except that from a near tie of the single-rank run (its top two within
+    NEAR_TIE) the two-rank run may take the second: there fp32's summation order decides (seen
+    on an AVX2-only Zen 3 EPYC at the last of 36 tokens)."""
     one = run_scenario("tp", tiny, "1", in_process=False)
     two = run_scenario("tp", tiny, "2", in_process=False, timeout=900)
-    assert two["tokens"] == one["tokens"]
+    assert [len(t) for t in two["tokens"]] == [len(t) for t in one["tokens"]]
+    parted = _first_divergence(one, two)
+    for s, i, gap, (x, y, t1, t2) in parted:
+        assert x == t1 and y == t2 and gap <= NEAR_TIE, (parted, one["top2"][s][i])
+    assert len(parted) <= 1, parted  # a near tie is rare: not every sequence
 
 
 def _free_port() -> int:

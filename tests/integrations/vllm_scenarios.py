@@ -169,8 +169,11 @@ def scenario_tp(model, tokenizer, spec):
     size, _, kind = spec.partition(":")
     def use(llm):
         llm.generate(prompts((24,), offset=1), greedy(max_tokens=1))  # a known first write fixes the scales
-        outs = llm.generate(prompts((9, 33, 70)), greedy(max_tokens=12))
-        return {"tokens": [o.outputs[0].token_ids for o in outs]}
+        outs = llm.generate(prompts((9, 33, 70)), greedy(max_tokens=12, logprobs=2))
+        # per generated token, the top two candidates as [token, logprob], best first
+        top2 = [[sorted(([int(t), float(lp.logprob)] for t, lp in step.items()), key=lambda e: -e[1])[:2]
+                 for step in o.outputs[0].logprobs] for o in outs]
+        return {"tokens": [o.outputs[0].token_ids for o in outs], "top2": top2}
 
     return with_engine(model, tokenizer, kind or "hif8", use, tensor_parallel_size=int(size), dtype="float32")
 

@@ -287,24 +287,29 @@ def test_the_command_runs_every_engine_on_a_tiny_model(tiny_model, tmp_path, cap
                 ("Capacity", "Accuracy through vLLM", "Speed")}
     cap = {r[1]: r for r in _table_rows("\n".join(l for l in sections["Capacity"].splitlines() if l.startswith("|")))}
     tokens = {dtype: int(r[4]) for dtype, r in cap.items()}
+    # vLLM's own fp8 cache needs AVX-512 or AMX on x86: without them its engine is skipped, and said so
+    no_fp8 = bv.engine_unavailable("fp8")
+    assert (f"engines skipped: fp8 ({no_fp8})" in report) == (no_fp8 is not None)
+    ran = [c for c, (_, engine) in bv.CONFIGS.items() if not (no_fp8 and engine == "fp8")]
     # the same KV space holds twice the tokens in a 1-byte cache (up to one block of rounding)
-    assert set(tokens) == {"auto", "fp8_e4m3", "fp8"}
-    assert tokens["fp8"] == tokens["fp8_e4m3"]
+    assert set(tokens) == {"auto", "fp8"} | (set() if no_fp8 else {"fp8_e4m3"})
+    if not no_fp8:
+        assert tokens["fp8"] == tokens["fp8_e4m3"]
     assert abs(tokens["fp8"] - 2 * tokens["auto"]) <= int(cap["fp8"][3])
     acc = _table_rows("\n".join(l for l in sections["Accuracy through vLLM"].splitlines() if l.startswith("|")))
-    assert len(acc) == 2 * 2 * len(bv.CONFIGS)  # texts x lengths x caches
+    assert len(acc) == 2 * 2 * len(ran)  # texts x lengths x caches
     for row in acc:
         if row[2] == bv.CONFIGS["bf16"][0]:
             assert row[4].startswith("+0.00 ± 0.00") and row[5] == "1.0000" and float(row[6]) == 0.0
         else:
             assert math.isfinite(float(row[3])) and float(row[6]) >= 0.0
-    # the calculated scales reached CPU_ATTN: the same engine scores differently after they are set
     ppl = {(r[0], r[1], r[2]): r[3] for r in acc}
-    assert any(ppl[(t, n, bv.CONFIGS["fp8"][0])] != ppl[(t, n, bv.CONFIGS["fp8-calc"][0])] for t, n, _ in ppl)
-    assert "fp8_e4m3 calculated scales: k " in report
+    if not no_fp8:  # the calculated scales reached CPU_ATTN: the same engine scores differently after they are set
+        assert any(ppl[(t, n, bv.CONFIGS["fp8"][0])] != ppl[(t, n, bv.CONFIGS["fp8-calc"][0])] for t, n, _ in ppl)
+        assert "fp8_e4m3 calculated scales: k " in report
     speed = _table_rows("\n".join(l for l in sections["Speed"].splitlines() if l.startswith("|")))
     assert sorted((r[1], r[2]) for r in speed) == sorted(
-        (str(b), bv.CONFIGS[e][0]) for b in (1, 2) for e in bv.SPEED_ENGINES)
+        (str(b), bv.CONFIGS[e][0]) for b in (1, 2) for e in bv.SPEED_ENGINES if not (no_fp8 and e == "fp8"))
     assert all(float(r[4]) > 0 and float(r[6]) > 0 for r in speed)
 
 

@@ -96,6 +96,21 @@ ENGINES = {"bf16": True, "fp8": True, "hif8": True, "hif8-first-write": False}
 SPEED_ENGINES = tuple(name for name, speed in ENGINES.items() if speed)
 
 
+def engine_unavailable(engine: str) -> Optional[str]:
+    """Why ``engine`` cannot run on this CPU, or None. vLLM 0.32's CPU_ATTN runs its fp8 cache
+    only on x86 CPUs with AVX-512 or AMX (``_get_attn_isa``); elsewhere that engine refuses to
+    start (seen on an AVX2-only Zen 3 EPYC), so the bench skips it and says why."""
+    import platform
+
+    import torch
+
+    if engine != "fp8" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return "vLLM's CPU_ATTN runs an fp8_e4m3 cache only on x86 CPUs with AVX-512 or AMX, and this one has neither"
+
+
 # ----------------------------------------------------------------------------- the model
 
 def safetensors_folder(model: str = DEFAULT_MODEL, gguf: str | None = None, *,
@@ -738,7 +753,11 @@ def run(args: argparse.Namespace) -> int:
     base = {"model": model, "tokenizer": tok_folder, "max_model_len": max_len,
             "max_num_batched_tokens": args.max_batched_tokens,
             "accuracy": {"prompts": prompts, "top_k": TOP_K, "calibration_prompt": calib_ids}}
-    steps = (["calibrate"] if "hif8" in args.engines else []) + list(args.engines)
+    skipped = {e: why for e in args.engines if (why := engine_unavailable(e)) is not None}
+    for engine, why in skipped.items():
+        print(f"qfa bench vllm: skipping engine {engine!r}: {why}", file=sys.stderr)
+    engines = [e for e in args.engines if e not in skipped]
+    steps = (["calibrate"] if "hif8" in engines else []) + engines
     results: dict[str, dict] = {}
     bar = tqdm(steps, desc="bench vllm", unit="engine", disable=args.no_progress, file=sys.stderr)
     try:
@@ -788,6 +807,8 @@ def run(args: argparse.Namespace) -> int:
         f"load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; after: "
         f"{', '.join(f'{x:.2f}' for x in load_after)} (a shared machine: absolute speeds move with the other work)",
     ]
+    if skipped:
+        header.append("engines skipped: " + "; ".join(f"{e} ({why})" for e, why in skipped.items()))
     if "fp8_calculated_scales" in results.get("fp8", {}):
         ks = [v[0] for v in results["fp8"]["fp8_calculated_scales"].values()]
         vs = [v[1] for v in results["fp8"]["fp8_calculated_scales"].values()]
