@@ -275,47 +275,36 @@ void qfa_kernel::forward(const ForwardArgs& a) {
 
   // Split items, pass 1: each chunk's contribution to the running max.
   std::vector<std::vector<float>> cmax(chunks.size());
-  // Pass 1's scores are kept for pass 2 when they fit the budget (decode: a few rows per item).
-  int64_t store_floats = 0;
-  for (const Item& ch : chunks) store_floats += (ch.t1 - ch.t0) * group * (ch.c1 - ch.c0) * block_n;
-  std::vector<int64_t> store_at(chunks.size(), -1);
-  float* store = nullptr;
-  if (!chunks.empty() && store_floats * 4 <= a.store_bytes) {
-    // Decode calls come one per generated token: the calling thread keeps the store (at most the
-    // budget) for the next call rather than mapping (and faulting in) fresh pages each time.
-    thread_local Buffer kept;
-    thread_local int64_t kept_floats = 0;
-    if (store_floats > kept_floats) { kept = alloc(store_floats); kept_floats = store_floats; }
-    store = kept.get();
-    int64_t at_ = 0;
-    for (size_t x = 0; x < chunks.size(); ++x) {
-      store_at[x] = at_;
-      at_ += (chunks[x].t1 - chunks[x].t0) * group * (chunks[x].c1 - chunks[x].c0) * block_n;
-    }
-  }
-  auto store_of = [&](const Item& it) -> float* {
-    return it.slot >= 0 && store_at[it.slot] >= 0 ? store + store_at[it.slot] : nullptr;
+  // A chunk's pass 1 keeps its scores for its pass 2 when they fit the budget: in the scratch of
+  // the thread that runs both (see work below), which the thread keeps from call to call (decode
+  // calls come one per token: no fresh pages to fault in) and where a chunk's scores (a few
+  // hundred KB at most) are still in L2 for pass 2. Over the budget, pass 2 computes them again.
+  auto keeps = [&](const Item& ch) {
+    return (ch.t1 - ch.t0) * group * (ch.c1 - ch.c0) * block_n * 4 <= a.store_bytes;
   };
-  // One region for the call: the blocks to decode first, then the items, each split item's
-  // chunks' pass 1 before their pass 2 (see work below), so whatever an item waits for (its
-  // decoded blocks, its own or earlier chunks' pass 1) is handed out before it and already
-  // running on another thread (never an item not yet taken: no deadlock, and one thread runs
-  // them in order). Prefill tiles, decode chunks and the blocks they wait for share one counter:
-  // a mixed batch (chunked prefill beside decodes) is balanced over the threads as one piece of
-  // work. A chunk starts from the running max the sequential walk has before its first block:
-  // the max of the earlier chunks' maxima.
+  // One region for the call: the blocks to decode first, then the items, a split item as its
+  // chunks in order (see work below), so whatever an item waits for (its decoded blocks, the
+  // earlier chunks' pass 1) is handed out before it and already running on another thread or
+  // done (never an item not yet taken: no deadlock, and one thread runs them in order). Prefill
+  // tiles, decode chunks and the blocks they wait for share one counter: a mixed batch (chunked
+  // prefill beside decodes) is balanced over the threads as one piece of work. A chunk starts
+  // from the running max the sequential walk has before its first block: the max of the earlier
+  // chunks' maxima.
   std::unique_ptr<std::atomic<int>[]> max_done(new std::atomic<int>[chunks.size() + 1]);
   for (size_t x = 0; x < chunks.size(); ++x) max_done[x].store(0, std::memory_order_relaxed);
   std::vector<Partial> parts(chunks.size());
   // The order items are handed out in: the blocks to decode, then whole items and split items
-  // costliest first, a split item as its chunks' pass 1 then their pass 2 (its K codes, and its
-  // kept scores, are still in cache when pass 2 reads them again).
+  // costliest first, a split item as its chunks in key order. A chunk is one piece of work: its
+  // pass 1, then (once the earlier chunks' pass 1 is done: they were handed out before it) its
+  // pass 2 on the same thread, which finds the chunk's K codes and kept scores still in its
+  // caches. (Pass 1 of every chunk before any pass 2 kept all the scores at once: 3 MB at Sq =
+  // 16, B = 1, Skv = 4096, out of L2, and the QK^T tiles stalled writing them.)
   struct Work {
-    int kind;     // 0: decode a K/V block, 1: a chunk's pass 1, 2: a whole item, 3: a chunk's pass 2
-    int64_t idx;  // into blocks / chunks / whole / chunks
+    int kind;     // 0: decode a K/V block, 1: a chunk (pass 1, then pass 2), 2: a whole item
+    int64_t idx;  // into blocks / chunks / whole
   };
   std::vector<Work> work;
-  work.reserve(n_pre + whole.size() + 2 * chunks.size());
+  work.reserve(n_pre + whole.size() + chunks.size());
   for (int64_t i = 0; i < n_pre; ++i) work.push_back({0, i});
   {
     std::vector<Item> units = whole;  // (cost, and which: whole item w, or split item s as -1 - s)
@@ -335,7 +324,6 @@ void qfa_kernel::forward(const ForwardArgs& a) {
       const int64_t first = chunk_begin[x];
       const int64_t last = x + 1 < split_items.size() ? chunk_begin[x + 1] : static_cast<int64_t>(chunks.size());
       for (int64_t y = first; y < last; ++y) work.push_back({1, y});
-      for (int64_t y = first; y < last; ++y) work.push_back({3, y});
     }
   }
   // Merge the chunks of split item s in chunk order: l = l * prod_k + l_k, O = O * prod_k + O_k,
@@ -374,33 +362,31 @@ void qfa_kernel::forward(const ForwardArgs& a) {
       predecode(wk.idx, sc);
       return;
     }
-    if (wk.kind == 1) {
-      const Item& ch = chunks[wk.idx];
-      // Marked on every exit, 2 if it threw: its pass 2 must not wait for it forever.
-      struct Mark {
-        std::atomic<int>& done;
-        int value = 2;
-        ~Mark() { done.store(value, std::memory_order_release); }
-      } mark{max_done[wk.idx]};
-      const int64_t R = (ch.t1 - ch.t0) * group;
-      sc.ensure(R, dim, block_n);
-      load_q(c, ch, sc);
-      wait_predecoded(ch);
-      cmax[wk.idx].assign(R, kNegInf);
-      chunk_max(c, ch, sc, cmax[wk.idx].data(), store_of(ch));
-      mark.value = 1;
-      return;
-    }
     const Item& it = wk.kind == 2 ? whole[wk.idx] : chunks[wk.idx];
     const int64_t R = (it.t1 - it.t0) * group;
     sc.ensure(R, dim, block_n);
     load_q(c, it, sc);
     wait_predecoded(it);
+    float* kept = nullptr;  // a chunk's scores from its pass 1, for its pass 2
+    if (wk.kind == 1) {
+      {
+        // Marked on every exit, 2 if it threw: the later chunks must not wait for it forever.
+        struct Mark {
+          std::atomic<int>& done;
+          int value = 2;
+          ~Mark() { done.store(value, std::memory_order_release); }
+        } mark{max_done[wk.idx]};
+        if (keeps(it)) kept = sc.keep((it.c1 - it.c0) * R * block_n);
+        cmax[wk.idx].assign(R, kNegInf);
+        chunk_max(c, it, sc, cmax[wk.idx].data(), kept);
+        mark.value = 1;
+      }
+    }
     float* m = sc.m.get();
     for (int64_t r = 0; r < R; ++r) m[r] = kNegInf;
     if (it.slot >= 0) {
-      // The earlier chunks' maxima, and the chunk's own pass 1 (the scores it stored).
-      for (int64_t x = it.first; x <= it.slot; ++x) {
+      // The earlier chunks' maxima (their pass 1 was handed out before this chunk).
+      for (int64_t x = it.first; x < it.slot; ++x) {
         for (int spins = 0; !max_done[x].load(std::memory_order_acquire); ++spins) {
           if (spins < 64) {
             cpu_relax();
@@ -409,11 +395,10 @@ void qfa_kernel::forward(const ForwardArgs& a) {
           }
         }
         QFA_CHECK(max_done[x].load(std::memory_order_acquire) == 1, "qfa native attention: an earlier chunk failed");
-        if (x < it.slot)
-          for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
+        for (int64_t r = 0; r < R; ++r) m[r] = max_nan(m[r], cmax[x][r]);
       }
     }
-    walk(c, it, sc, store_of(it));
+    walk(c, it, sc, kept);
     if (it.slot < 0) {
       finish(c, it, m, sc.l.get(), sc.o.get(), sc.alpha.get());
     } else {

@@ -50,6 +50,17 @@ struct Scratch {
     rows = R; dim = D; bn = N;
   }
   uint16_t* half(const Buffer& x) { return reinterpret_cast<uint16_t*>(x.get()); }
+  // A split chunk's scores, kept from its pass 1 for its pass 2 (n floats; grown on demand).
+  Buffer kept;
+  int64_t kept_floats = 0;
+  float* keep(int64_t n) {
+    if (n > kept_floats) {
+      kept_floats = 0;
+      kept = alloc(n);
+      kept_floats = n;
+    }
+    return kept.get();
+  }
 };
 
 inline Scratch& thread_scratch() {

@@ -113,12 +113,13 @@ SPLIT_ROWS = 128
 CHUNK_BLOCKS = 4
 #: Prefill decodes the K and V that several tiles read to fp32 once, up to this many bytes.
 PREDECODE_BYTES = 1 << 30
-#: A split keeps pass 1's scores for pass 2 (rather than computing them twice) up to this many
-#: bytes, in a buffer the calling thread keeps for its next call (decode calls come one per token,
-#: alike: a fresh store's page faults cost more than computing the scores again). Measured on the
-#: 2-core Zen 5 EPYC, one thread, Sq = 16, (12, 2), kept store vs recomputed: B = 1 at Skv = 65536
-#: (50 MB) 30 vs 38 ms, B = 8 at 16384 (100 MB) 58 vs 75 (a fresh store each call: 50 and 96).
-#: The price: up to this much memory stays allocated per calling thread.
+#: A split item's chunk keeps its pass 1's scores for its pass 2 (rather than computing them twice)
+#: up to this many bytes, in the scratch of the thread that runs both passes, which the thread keeps
+#: for the next call (decode calls come one per token, alike: fresh pages' faults cost more than
+#: computing the scores again). A chunk's scores are at most SPLIT_ROWS x CHUNK_BLOCKS x 256 floats
+#: (512 KB), so the default always keeps them. Measured on the 2-core Zen 5 EPYC, one thread,
+#: Sq = 16, (12, 2), kept vs recomputed (when every chunk's scores were kept at once, before any
+#: pass 2): B = 1 at Skv = 65536 30 vs 38 ms, B = 8 at 16384 58 vs 75.
 SCORE_STORE_BYTES = 1 << 27
 
 _AVX512 = ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
