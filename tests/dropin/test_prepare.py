@@ -198,6 +198,7 @@ def test_rotate_rows_is_the_butterfly_then_the_saturating_cast(level, dtype, out
     x = randn(300, D, seed=5, scale=3e4).to(dtype)
     x[0, :4] = torch.tensor([math.inf, -math.inf, math.nan, 1e30]).to(dtype)
     x[1] = torch.finfo(dtype).max / 4  # sums past a narrow dtype's range: saturate, not Inf
+    x[2] = (randn(1, D, seed=9) * torch.finfo(torch.float32).tiny).to(dtype)  # fp32 denormal sums
     got = cpu_prepare.rotate_rows(x, out_dtype, rotation.normalisation(D), isa=level)
     want = dropin_eager.saturating_cast(rotation.butterfly(x.float()), out_dtype)
     assert same_or_both_nan(got, want)
