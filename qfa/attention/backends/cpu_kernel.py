@@ -18,8 +18,8 @@ choice; a forked child always uses the pool, since libgomp's team does not survi
 Only blocks that cross the causal diagonal are masked. Prefill decodes each batch's K and V
 once (fp32, or bf16 on the AVX512_BF16 build); decode reads the 1-byte codes of each block
 directly. A call is one parallel region whatever its batch holds: the blocks to decode are its
-first items, then the split items' pass 1, then everything else costliest first, and an item
-waits only for items already running, so a mixed batch (vLLM's chunked prefill beside decodes)
+first items, then everything else costliest first (a split item as its chunks in key order), and
+an item waits only for items already running, so a mixed batch (vLLM's chunked prefill beside decodes)
 is balanced over the threads as one piece of work. Paged K/V (a block table, PA_BBND / PA_BNBD)
 is read in place, each key's codes addressed through the table (vLLM's CPU cache view, K and V
 the two halves of each token's 256 bytes, is such a PA_BNBD pair).
@@ -56,8 +56,8 @@ opened a nested team).
 Decode-shaped items (a few rows: new tokens x the GQA group; too few items to fill the cores)
 split their keys into chunks of whole 256-key blocks. A chunk starts from the running max the
 sequential walk has before its first block (pass 1 computes each chunk's row maxima, and keeps
-the scores for pass 2 within a budget; max is exact; both passes run in one parallel region,
-every pass 1 handed out before any pass 2), so every exponent, every P and every
+the scores for pass 2 within a budget; max is exact; a chunk's two passes run on one thread,
+its pass 2 once the earlier chunks' pass 1 is done), so every exponent, every P and every
 HiF8(P) is the sequential walk's, bit for bit. What differs is only fp32
 reassociation in the alphas: the sequential walk applies each block's alpha to l and O in turn,
 ``l = (l * a1 + r1) * a2 + r2``; a chunk starts from l = 0, O = 0 and keeps the product of its
