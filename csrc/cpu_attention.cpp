@@ -364,18 +364,21 @@ void qfa_kernel::forward(const ForwardArgs& a) {
     }
     const Item& it = wk.kind == 2 ? whole[wk.idx] : chunks[wk.idx];
     const int64_t R = (it.t1 - it.t0) * group;
-    sc.ensure(R, dim, block_n);
-    load_q(c, it, sc);
-    wait_predecoded(it);
     float* kept = nullptr;  // a chunk's scores from its pass 1, for its pass 2
-    if (wk.kind == 1) {
-      {
-        // Marked on every exit, 2 if it threw: the later chunks must not wait for it forever.
-        struct Mark {
-          std::atomic<int>& done;
-          int value = 2;
-          ~Mark() { done.store(value, std::memory_order_release); }
-        } mark{max_done[wk.idx]};
+    {
+      // A chunk's pass 1 is marked done on every exit, 2 if anything up to its end threw (the
+      // scratch, Q, the decoded blocks it waits for): the later chunks must not wait for it forever.
+      struct Mark {
+        std::atomic<int>* done;
+        int value = 2;
+        ~Mark() {
+          if (done) done->store(value, std::memory_order_release);
+        }
+      } mark{wk.kind == 1 ? &max_done[wk.idx] : nullptr};
+      sc.ensure(R, dim, block_n);
+      load_q(c, it, sc);
+      wait_predecoded(it);
+      if (wk.kind == 1) {
         if (keeps(it)) kept = sc.keep((it.c1 - it.c0) * R * block_n);
         cmax[wk.idx].assign(R, kNegInf);
         chunk_max(c, it, sc, cmax[wk.idx].data(), kept);
