@@ -141,9 +141,9 @@ inline bool fused(const Call& c, int64_t rows) {
 
 // Rows of keys [g0, g0 + n) of the item's block at j0: pre-decoded (pre), or decoded into buf.
 inline const float* key_rows(const Call& c, const Item& it, const KvSrc& src, const float* pre, int64_t j0,
-                             int64_t g0, int64_t n, float* buf) {
+                             int64_t g0, int64_t n, float* buf, ScaleRowMemo& memo) {
   if (pre) return pre + g0 * c.dim;
-  decode_rows(c.dec, c.dim, src, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, buf);
+  decode_rows(c.dec, c.dim, src, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, buf, &memo);
   return buf;
 }
 
@@ -171,7 +171,7 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
   float* buf = sc.k.get();
   for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
     const int64_t n = std::min(kGroup, nc - g0);
-    const float* kr = key_rows(c, it, c.k, kpre, j0, g0, n, buf);
+    const float* kr = key_rows(c, it, c.k, kpre, j0, g0, n, buf, sc.vmemo);
     if (n < kGroup) {  // a short last group: pad with zero keys (their scores are not stored)
       if (kr != buf) { std::memcpy(buf, kr, sizeof(float) * n * D); kr = buf; }
       std::memset(buf + n * D, 0, sizeof(float) * (kGroup - n) * D);
@@ -364,7 +364,7 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
   }
   for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
     const int64_t n = std::min(kGroup, vis_max - g0);
-    const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf);
+    const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf, sc.vmemo);
     // Two rows x 32 dims per pass (6 loads per 8 FMAs); each element is its row's chain over
     // the keys in ascending order, whichever pass computes it.
     int64_t r = lo;

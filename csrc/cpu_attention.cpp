@@ -114,6 +114,7 @@ void qfa_kernel::forward(const ForwardArgs& a) {
       for (int i = 0; i < 3; ++i) src.sst[i] = d[i];
       src.pos_div = d[3]; src.pair_st = d[4]; src.el_st = d[5]; src.per = d[6];
       src.e8m0 = c.e8m0;
+      src.call_id = new_call_id();
       auto log2_of = [](int64_t n) {
         int k = 0;
         while ((int64_t(1) << k) < n) ++k;

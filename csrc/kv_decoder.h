@@ -13,6 +13,7 @@
 #include "kernel_config.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,8 @@ namespace {
 // EPYC: 0.13 ns a code in L1, against 0.25 for the previous vpshufb chain over 8 segments.
 
 struct Decoder {
+  // 2^8: an E4M3 value over the half e4m3_lowered makes of its code (see there).
+  static constexpr float kE4m3Lift = 256.0f;
   float table[256];
   bool simd = false;
   bool e4m3 = false;  // the codes are E4M3 (quant_modes 1 and 6), not HiF8
@@ -102,8 +105,9 @@ struct Decoder {
   // E4M3 (quant_modes 1 and 6): sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7F / 0xFF
   // NaN, no Inf. A normal magnitude m (exponent field > 0) is the bf16 magnitude (m << 4) +
   // 0x3C00 (exponent rebiased by 120, mantissa in place); the 7 subnormals and zero are looked up
-  // (vpshufb) in bytes taken from the table. The rule is then run on all 256 codes and checked
-  // against the table, NaN codes flagged, so it is the table's, as the HiF8 fit is.
+  // (vpshufb) in bytes taken from the table. The rule, and the fp32 route through fp16
+  // (e4m3_lowered), are then run on all 256 codes and checked against the table, NaN codes
+  // flagged, so they are the table's, as the HiF8 fit is.
   void init_e4m3() {
     uint32_t bits[256];
     std::memcpy(bits, table, sizeof(bits));
@@ -128,10 +132,14 @@ struct Decoder {
       alignas(32) uint16_t got[32];
       alignas(32) uint8_t bad[32];
       _mm256_store_si256(reinterpret_cast<__m256i*>(bad), decode32_bf16<true>(codes + x0, got));
+      alignas(32) float wide[32];
+      alignas(32) uint8_t bad_wide[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bad_wide), decode32<true>(codes + x0, wide));
       for (int i = 0; i < 32; ++i) {
         const int x = x0 + i;
-        ok = ok && (bad[i] != 0) == !std::isfinite(table[x]);
+        ok = ok && (bad[i] != 0) == !std::isfinite(table[x]) && (bad_wide[i] != 0) == (bad[i] != 0);
         ok = ok && (bad[i] != 0 || got[i] == static_cast<uint16_t>(bits[x] >> 16));
+        ok = ok && (bad[i] != 0 || std::memcmp(&wide[i], &table[x], 4) == 0);
       }
     }
     simd = ok;
@@ -193,11 +201,39 @@ struct Decoder {
                            _mm256_cmpeq_epi8(m, _mm256_set1_epi8(0x6F)));
   }
 
-  // 32 contiguous codes to fp32 (the bf16 patterns widened); the mask as words32's.
+  // E4M3 codes to fp32 through fp16 (F16C): a code's byte sign-extended to 16 bits and shifted
+  // left by 7 holds its mantissa in fp16's mantissa field, its exponent field in the low 4 bits of
+  // fp16's and its sign in bit 15 (bit 14, a copy of the sign, is cleared). That half is 2^-8
+  // times the code's value (exponent bias 15 against 7; E4M3's subnormals are fp16 subnormals,
+  // which vcvtph2ps converts exactly), so the caller's factor carries the 2^8: kE4m3Lift. Four
+  // instructions a vector fewer than the bf16 patterns' rule and no lane permutes: MXFP8's K and V
+  // decode was a third of the few-row kernels' time. f[i] holds codes 8i .. 8i+7; NaN codes (0x7F,
+  // 0xFF) come out finite and are flagged in the returned mask.
+  inline __m256i e4m3_lowered(const uint8_t* p, __m256* f) const {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xBF80));
+    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(c)), 7), keep);
+    const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(c, 1)), 7), keep);
+    f[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h0));
+    f[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1));
+    f[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(h1));
+    f[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1));
+    const __m256i m7f = _mm256_set1_epi8(0x7F);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(c, m7f), m7f);
+  }
+
+  // 32 contiguous codes to fp32 (HiF8: the bf16 patterns widened); the mask as words32's.
   template <bool E4M3 = false>
   inline __m256i decode32(const uint8_t* p, float* d) const {
+    if constexpr (E4M3) {
+      __m256 f[4];
+      const __m256i bad = e4m3_lowered(p, f);
+      const __m256 lift = _mm256_set1_ps(kE4m3Lift);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(d + 8 * i, _mm256_mul_ps(f[i], lift));
+      return bad;
+    }
     __m256i w0, w1;
-    const __m256i bad = words<E4M3>(p, w0, w1);
+    const __m256i bad = words32(p, w0, w1);
     const __m256i z = _mm256_setzero_si256();
     const __m256i f0 = _mm256_unpacklo_epi16(z, w0), f1 = _mm256_unpackhi_epi16(z, w0);
     const __m256i f2 = _mm256_unpacklo_epi16(z, w1), f3 = _mm256_unpackhi_epi16(z, w1);
@@ -208,20 +244,13 @@ struct Decoder {
     return bad;
   }
 
-  // decode32 with value i times lane i % 8 of mul[i / 8]: MXFP8's scaled rows (a power of two
-  // times each value, the product the separate pass formed) in one pass over the codes.
-  template <bool E4M3 = false>
-  inline __m256i decode32_scaled(const uint8_t* p, float* d, const __m256* mul) const {
-    __m256i w0, w1;
-    const __m256i bad = words<E4M3>(p, w0, w1);
-    const __m256i z = _mm256_setzero_si256();
-    const __m256i f0 = _mm256_unpacklo_epi16(z, w0), f1 = _mm256_unpackhi_epi16(z, w0);
-    const __m256i f2 = _mm256_unpacklo_epi16(z, w1), f3 = _mm256_unpackhi_epi16(z, w1);
-    const auto put = [&](float* at, __m256i v, __m256 m) { _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_castsi256_ps(v), m)); };
-    put(d, _mm256_permute2x128_si256(f0, f1, 0x20), mul[0]);
-    put(d + 8, _mm256_permute2x128_si256(f2, f3, 0x20), mul[1]);
-    put(d + 16, _mm256_permute2x128_si256(f0, f1, 0x31), mul[2]);
-    put(d + 24, _mm256_permute2x128_si256(f2, f3, 0x31), mul[3]);
+  // 32 E4M3 codes to fp32, value i times lane i % 8 of lifted[i / 8]: MXFP8's scaled rows (a power
+  // of two times each value) in one pass over the codes. lifted is the scales times kE4m3Lift
+  // (exact, and finite for every scale the plan allows: 2^119 * 2^8 < 2^128).
+  inline __m256i decode32_e4m3_scaled(const uint8_t* p, float* d, const __m256* lifted) const {
+    __m256 f[4];
+    const __m256i bad = e4m3_lowered(p, f);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(d + 8 * i, _mm256_mul_ps(f[i], lifted[i]));
     return bad;
   }
 
@@ -324,6 +353,7 @@ struct KvSrc {
   int pos_shift = 0, per_shift = 5, bs_shift = 0;
   const int64_t* sstart = nullptr;  // contiguous K/V: per batch, the scales' first position
   const float* e8m0 = nullptr;      // the 256 E8M0 values
+  uint64_t call_id = 0;             // new_call_id() of the call: keys ScaleRowMemo
   inline const uint8_t* scale_row(int64_t b, int64_t h, int64_t j) const {
     int64_t blk = b, pos = sstart ? sstart[b] + j : j;
     if (table) { blk = table[b * table_stride + (j >> bs_shift)]; pos = j & (block_size - 1); }
@@ -337,6 +367,41 @@ constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
 // The most elements a scaled row may hold (quant_mode 1's head dims go up to 256).
 constexpr int64_t kMaxScaledDim = 256;
 
+// A fresh id per forward call (never 0).
+inline uint64_t new_call_id() {
+  static std::atomic<uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+// The last expanded V scale row of a thread (its Scratch holds one: V's scales cover 32 keys, the
+// few-row kernels decode 8 keys a call, and expanding the row, 128 table lookups, cost a quarter
+// of MXFP8's decode when each call did it again). Keyed by the row's address and the call's id,
+// so a row rewritten between calls is never reused.
+struct ScaleRowMemo {
+  const uint8_t* sp = nullptr;
+  uint64_t call_id = 0;
+  bool finite = true;  // no NaN scale in the row
+  alignas(64) float fs[kMaxScaledDim];
+  alignas(64) float lifted[kMaxScaledDim];  // fs times Decoder::kE4m3Lift
+};
+
+// V's scale row at sp (one scale per channel), expanded into memo unless it holds it already.
+inline const ScaleRowMemo& v_scale_row(const KvSrc& src, const uint8_t* sp, int64_t dim, ScaleRowMemo& memo) {
+  if (memo.sp != sp || memo.call_id != src.call_id) {
+    bool finite = true;
+    for (int64_t x = 0; x < dim; ++x) {
+      const float f = src.e8m0[sp[x * src.el_st]];
+      memo.fs[x] = f;
+      memo.lifted[x] = f * Decoder::kE4m3Lift;
+      finite = finite && !std::isnan(f);
+    }
+    memo.sp = sp;
+    memo.call_id = src.call_id;
+    memo.finite = finite;
+  }
+  return memo;
+}
+
 // decode_rows for K/V with E8M0 scales (dim a multiple of the vector width and of 32, or at most
 // one partial group of whole vectors): the row decoded to fp32, times its scales (expanded
 // once per distinct scale row: V's cover 32 keys), to bf16 by truncation where T is (exact: the
@@ -344,10 +409,8 @@ constexpr int64_t kMaxScaledDim = 256;
 // scales' (448 x the largest scale the plan allows is finite, so no product overflows).
 template <typename T>
 inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src, int64_t b, int64_t h,
-                               int64_t start, int64_t j0, int64_t j1, T* dst) {
-  alignas(64) float fs[kMaxScaledDim];
+                               int64_t start, int64_t j0, int64_t j1, T* dst, ScaleRowMemo& memo) {
   alignas(64) float row[kMaxScaledDim];
-  const uint8_t* last = nullptr;
   bool scales_finite = true, finite = true;
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* p = src.row(b, h, start, j);
@@ -370,28 +433,26 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
     // One pass: each group of 32 codes decoded and multiplied by its scales (K: one scale, as
     // per is a multiple of 32; V: the channels' 32). Non-finite codes (rare) take the table.
     if (dc.simd && dc.e4m3 && src.st[3] == 1 && dim % 32 == 0 && (src.per == 1 || src.per % 32 == 0)) {
-      if (src.per == 1 && sp != last) {
-        last = sp;
-        for (int64_t x = 0; x < dim; ++x) {
-          fs[x] = src.e8m0[sp[x * src.el_st]];
-          scales_finite = scales_finite && !std::isnan(fs[x]);
-        }
+      const ScaleRowMemo* vs = nullptr;
+      if (src.per == 1) {
+        vs = &v_scale_row(src, sp, dim, memo);
+        scales_finite = scales_finite && vs->finite;
       }
       __m256i bad = _mm256_setzero_si256();
       for (int64_t x = 0; x < dim; x += 32) {
         __m256 mul[4];
-        if (src.per == 1) {
-          for (int i = 0; i < 4; ++i) mul[i] = _mm256_load_ps(fs + x + 8 * i);
+        if (vs) {
+          for (int i = 0; i < 4; ++i) mul[i] = _mm256_load_ps(vs->lifted + x + 8 * i);
         } else {
           const float f = src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
           scales_finite = scales_finite && !std::isnan(f);
-          mul[0] = mul[1] = mul[2] = mul[3] = _mm256_set1_ps(f);
+          mul[0] = mul[1] = mul[2] = mul[3] = _mm256_set1_ps(f * Decoder::kE4m3Lift);
         }
-        bad = _mm256_or_si256(bad, dc.decode32_scaled<true>(p + x, d + x, mul));
+        bad = _mm256_or_si256(bad, dc.decode32_e4m3_scaled(p + x, d + x, mul));
       }
       if (!_mm256_testz_si256(bad, bad)) {
         for (int64_t x = 0; x < dim; ++x) {
-          const float f = src.per == 1 ? fs[x] : src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
+          const float f = vs ? vs->fs[x] : src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
           d[x] = dc.table[p[x]] * f;
           finite = finite && std::isfinite(dc.table[p[x]]);
         }
@@ -414,14 +475,9 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
         for (int64_t x = x0; x < x1; x += Vec::size()) (Vec::loadu(d + x) * vf).store(d + x);
       }
     } else {  // V: one scale per channel, the same row of them for 32 keys
-      if (sp != last) {
-        last = sp;
-        for (int64_t x = 0; x < dim; ++x) {
-          fs[x] = src.e8m0[sp[x * src.el_st]];
-          scales_finite = scales_finite && !std::isnan(fs[x]);
-        }
-      }
-      for (int64_t x = 0; x < dim; x += Vec::size()) (Vec::loadu(d + x) * Vec::loadu(fs + x)).store(d + x);
+      const ScaleRowMemo& vs = v_scale_row(src, sp, dim, memo);
+      scales_finite = scales_finite && vs.finite;
+      for (int64_t x = 0; x < dim; x += Vec::size()) (Vec::loadu(d + x) * Vec::loadu(vs.fs + x)).store(d + x);
     }
     if constexpr (!std::is_same<T, float>::value) {
       const uint32_t* u = reinterpret_cast<const uint32_t*>(row);
@@ -433,11 +489,15 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
 }
 
 // Decode keys [j0, j1) of kv head h of batch b into dst (rows x dim), fp32 or bf16 (T);
-// returns whether every value is finite.
+// returns whether every value is finite. memo: the thread's scale row memo (MXFP8; callers that
+// decode a few keys at a time pass their Scratch's).
 template <typename T>
 inline bool decode_rows(const Decoder& dc, int64_t dim, const KvSrc& src, int64_t b, int64_t h, int64_t start,
-                        int64_t j0, int64_t j1, T* dst) {
-  if (src.sbase) return decode_rows_scaled(dc, dim, src, b, h, start, j0, j1, dst);
+                        int64_t j0, int64_t j1, T* dst, ScaleRowMemo* memo = nullptr) {
+  if (src.sbase) {
+    ScaleRowMemo local;
+    return decode_rows_scaled(dc, dim, src, b, h, start, j0, j1, dst, memo ? *memo : local);
+  }
   bool finite = true;
   for (int64_t j = j0; j < j1;) {
     const uint8_t* p = src.row(b, h, start, j);

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "kernel_config.h"
+#include "kv_decoder.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -50,6 +51,7 @@ struct Scratch {
     rows = R; dim = D; bn = N;
   }
   uint16_t* half(const Buffer& x) { return reinterpret_cast<uint16_t*>(x.get()); }
+  ScaleRowMemo vmemo;  // MXFP8: the last V scale row this thread expanded
   // A split chunk's scores, kept from its pass 1 for its pass 2 (n floats; grown on demand).
   Buffer kept;
   int64_t kept_floats = 0;

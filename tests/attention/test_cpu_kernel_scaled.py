@@ -347,6 +347,29 @@ def test_inputs_are_not_modified(monkeypatch):
             assert torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t, b)
 
 
+def test_v_scales_rewritten_in_place_between_calls_are_read_again(monkeypatch):
+    """Each thread keeps the last V scale row it expanded (the few-row kernels decode 8 keys at a
+    time, a scale row covers 32): a second call on the same tensors, after every V scale was
+    doubled in place, must read the new scales. Doubling V doubles the output exactly (a power of
+    two; P is unchanged), so the second output is the first times two, bit for bit, on one thread
+    and on two."""
+    case = mx_case((1, 1, 16), (700, 1030, 300), nq=8, nkv=2, seed=12, spread=0.5)
+    args, kwargs = mx_call(case, p_scale=448.0)
+    v_scales = args[5]
+    codes = v_scales.view(torch.uint8)
+    assert int(codes.max()) < mxfp8.E8M0_NAN_CODE - 1
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        first, _ = _run(args, kwargs, monkeypatch, native=True)
+        codes.add_(1)
+        try:
+            second, _ = _run(args, kwargs, monkeypatch, native=True)
+        finally:
+            codes.sub_(1)
+        assert torch.equal(_bits(second), _bits(first * 2))
+        assert not torch.equal(_bits(second), _bits(first))
+
+
 def test_dispatch(monkeypatch):
     """Modes 1 and 6 on CPU run the native kernel; QFA_NATIVE=0, or a head dim the build's
     vectors do not divide, runs the torch path."""

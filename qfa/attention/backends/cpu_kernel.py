@@ -122,8 +122,9 @@ PREDECODE_BYTES = 1 << 30
 #: pass 2): B = 1 at Skv = 65536 30 vs 38 ms, B = 8 at 16384 58 vs 75.
 SCORE_STORE_BYTES = 1 << 27
 
+# -mf16c: GCC's -mavx512f does not imply it (every AVX-512 CPU has it); E4M3's decode converts fp16.
 _AVX512 = ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-           "-mavx512dq", "-mfma"]
+           "-mavx512dq", "-mfma", "-mf16c"]
 _VECTOR_FLAGS = {
     # torch's AVX512 capability plus the bf16 dot products of the many-row blocks.
     "AVX512_BF16": [*_AVX512, "-mavx512bf16"],
