@@ -1006,6 +1006,38 @@ int64_t total_rows(const std::vector<Chunk>& cs) {
   return n;
 }
 
+// A chunk of tensor t of a batched pass.
+struct TensorChunk {
+  int64_t t;
+  Chunk c;
+};
+
+int64_t total_rows(const std::vector<TensorChunk>& cs) {
+  int64_t n = 0;
+  for (const TensorChunk& c : cs) n += c.c.rows;
+  return n;
+}
+
+// One tensor of a batched pass (qfa_prep_stats, qfa_prep_encode), seen as (A, N, S, 128): its
+// data and dtype code, element strides (sA, sN, sS), segments (a, first row, valid rows, all
+// rows; nseg of them) and N; whether it is rotated; the fp32 means (segments, N, 128) to
+// subtract (null: none) and, for pass 1, whether to compute them first; for pass 2 the codes'
+// tensor, its strides and the scale. cpu_prepare.py's _Tensor mirrors it field for field.
+struct PrepTensor {
+  const void* x;
+  int64_t dt;
+  const int64_t* strides;
+  const int64_t* segs;
+  int64_t nseg;
+  int64_t heads;
+  int64_t rotate;
+  float* mean;
+  int64_t compute_mean;
+  uint8_t* out;
+  const int64_t* out_strides;
+  double scale;
+};
+
 }  // namespace
 
 // ---- entry points (C ABI) --------------------------------------------------------------------------
@@ -1024,37 +1056,46 @@ void qfa_set_team(int64_t mode) { team_mode.store((int)mode); }
 
 int64_t qfa_last_team() { return last_team.load(); }
 
-// Pass 1 of a tensor: the statistics of y = H (x - mu) (each part optional) over the valid rows:
-// [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else 0.0]; the sum is
-// the chunks' partial sums added in chunk order. ``mean`` (fp32 (segments, N, 128), null: none)
+// Pass 1 of n tensors in one parallel region (the drop-in's q, k and v: each region's hand-over
+// costs tens of microseconds, and under load each is a chance to wait for a late thread): per
+// tensor t, the statistics of y = H (x - mu) (each part optional) over the valid rows into
+// result[3t .. 3t+2]: [float64 sum of y^2, max |y| (as fp32), 1.0 when some y is NaN or Inf else
+// 0.0]; the sum is that tensor's chunks' partial sums added in chunk order, so a tensor's result
+// is the same whichever tensors share its region. ``mean`` (fp32 (segments, N, 128), null: none)
 // is subtracted; with ``compute_mean`` it is written first, the K means per (segment, head)
 // slab, and the slab is then read a second time from cache.
-int64_t qfa_prep_stats(const void* x, int64_t dt, const int64_t* strides, const int64_t* segs, int64_t nseg,
-                       int64_t heads, int64_t rotate, double c, float* mean, int64_t compute_mean, int64_t threads,
-                       int64_t isa, double* result) {
+int64_t qfa_prep_stats(int64_t n, const PrepTensor* ts, double c, int64_t threads, int64_t isa, double* result) {
   int level = pick(isa);
   if (level < 0) return -1;
-  Plan p = make_plan(strides, segs, nseg, heads);
-  const char* base = static_cast<const char*>(x);
-  int d = (int)dt;
-  std::vector<Chunk> cs = chunks_of(p, true, compute_mean != 0);
+  std::vector<Plan> plans;
+  std::vector<TensorChunk> cs;
+  for (int64_t t = 0; t < n; ++t) {
+    plans.push_back(make_plan(ts[t].strides, ts[t].segs, ts[t].nseg, ts[t].heads));
+    for (const Chunk& k : chunks_of(plans.back(), true, ts[t].compute_mean != 0)) cs.push_back({t, k});
+  }
   std::vector<Stats> part(cs.size());
   run_chunks((int64_t)cs.size(), total_rows(cs), threads, [&](int64_t i) {
-    const Chunk& k = cs[i];
-    const char* row0 = base + p.offset(k.g, k.h, k.s0) * esize(d);
-    float* m = mean ? mean + (k.g * heads + k.h) * kD : nullptr;
-    if (m && compute_mean) mean_of(row0, d, k.rows, p.sS * esize(d), m);
-    if (k.rows) stats_rows(level, RowIn{row0, d, m, rotate != 0, (float)c}, k.rows, p.sS, part[i]);
+    const PrepTensor& x = ts[cs[i].t];
+    const Plan& p = plans[cs[i].t];
+    const Chunk& k = cs[i].c;
+    const int d = (int)x.dt;
+    const char* row0 = static_cast<const char*>(x.x) + p.offset(k.g, k.h, k.s0) * esize(d);
+    float* m = x.mean ? x.mean + (k.g * x.heads + k.h) * kD : nullptr;
+    if (m && x.compute_mean) mean_of(row0, d, k.rows, p.sS * esize(d), m);
+    if (k.rows) stats_rows(level, RowIn{row0, d, m, x.rotate != 0, (float)c}, k.rows, p.sS, part[i]);
   });
-  Stats st;
-  for (const Stats& q : part) {
-    st.sumsq += q.sumsq;
-    st.max_bits = std::max(st.max_bits, q.max_bits);
+  for (int64_t t = 0; t < n; ++t) {
+    Stats st;
+    for (size_t i = 0; i < cs.size(); ++i) {
+      if (cs[i].t != t) continue;
+      st.sumsq += part[i].sumsq;
+      st.max_bits = std::max(st.max_bits, part[i].max_bits);
+    }
+    bool nonfinite = st.max_bits >= 0x7F800000u;
+    result[3 * t] = st.sumsq;
+    result[3 * t + 1] = nonfinite ? INFINITY : (double)u2f(st.max_bits);
+    result[3 * t + 2] = nonfinite ? 1.0 : 0.0;
   }
-  bool nonfinite = st.max_bits >= 0x7F800000u;
-  result[0] = st.sumsq;
-  result[1] = nonfinite ? INFINITY : (double)u2f(st.max_bits);
-  result[2] = nonfinite ? 1.0 : 0.0;
   return 0;
 }
 
@@ -1072,29 +1113,36 @@ int64_t qfa_key_means(const void* x, int64_t dt, const int64_t* strides, const i
   return 0;
 }
 
-// Pass 2: the HiF8 codes of H (x - mu) / scale (saturating) for every row of every segment, into
-// ``out`` (uint8, element strides ``out_strides`` in the same (A, N, S) roles); returns how many
-// finite values reached the overflow threshold (saturated to +-MAX).
-int64_t qfa_prep_encode(const void* x, int64_t dt, const int64_t* strides, uint8_t* out, const int64_t* out_strides,
-                        const int64_t* segs, int64_t nseg, int64_t heads, int64_t rotate, double c, const float* mu,
-                        double scale, int64_t threads, int64_t isa) {
+// Pass 2 of n tensors in one parallel region: per tensor t, the HiF8 codes of H (x - mu) / scale
+// (saturating) for every row of every segment, into ``out`` (uint8, element strides
+// ``out_strides`` in the same (A, N, S) roles); saturated[t]: how many finite values reached the
+// overflow threshold (saturated to +-MAX).
+int64_t qfa_prep_encode(int64_t n, const PrepTensor* ts, double c, int64_t threads, int64_t isa, int64_t* saturated) {
   int level = pick(isa);
   if (level < 0) return -1;
-  Plan p = make_plan(strides, segs, nseg, heads), o = make_plan(out_strides, segs, nseg, heads);
-  const char* base = static_cast<const char*>(x);
-  int d = (int)dt;
-  Divisor dv = divisor_of((float)scale);
-  std::vector<Chunk> cs = chunks_of(p, false, false);
+  std::vector<Plan> plans, outs;
+  std::vector<Divisor> dvs;
+  std::vector<TensorChunk> cs;
+  for (int64_t t = 0; t < n; ++t) {
+    plans.push_back(make_plan(ts[t].strides, ts[t].segs, ts[t].nseg, ts[t].heads));
+    outs.push_back(make_plan(ts[t].out_strides, ts[t].segs, ts[t].nseg, ts[t].heads));
+    dvs.push_back(divisor_of((float)ts[t].scale));
+    for (const Chunk& k : chunks_of(plans.back(), false, false)) cs.push_back({t, k});
+  }
   std::vector<int64_t> sat(cs.size(), 0);
   run_chunks((int64_t)cs.size(), total_rows(cs), threads, [&](int64_t i) {
-    const Chunk& k = cs[i];
-    const float* m = mu ? mu + (k.g * heads + k.h) * kD : nullptr;
-    RowIn in{base + p.offset(k.g, k.h, k.s0) * esize(d), d, m, rotate != 0, (float)c};
-    encode_rows(level, in, k.rows, p.sS, out + o.offset(k.g, k.h, k.s0), o.sS, dv, sat[i]);
+    const PrepTensor& x = ts[cs[i].t];
+    const Plan& p = plans[cs[i].t];
+    const Plan& o = outs[cs[i].t];
+    const Chunk& k = cs[i].c;
+    const int d = (int)x.dt;
+    const float* m = x.mean ? x.mean + (k.g * x.heads + k.h) * kD : nullptr;
+    RowIn in{static_cast<const char*>(x.x) + p.offset(k.g, k.h, k.s0) * esize(d), d, m, x.rotate != 0, (float)c};
+    encode_rows(level, in, k.rows, p.sS, x.out + o.offset(k.g, k.h, k.s0), o.sS, dvs[cs[i].t], sat[i]);
   });
-  int64_t total = 0;
-  for (int64_t v : sat) total += v;
-  return total;
+  for (int64_t t = 0; t < n; ++t) saturated[t] = 0;
+  for (size_t i = 0; i < cs.size(); ++i) saturated[cs[i].t] += sat[i];
+  return 0;
 }
 
 // H x per row of 128 (``rows`` contiguous rows of x and of out), converted to out's dtype

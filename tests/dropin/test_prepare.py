@@ -330,6 +330,49 @@ def test_no_bit_depends_on_the_thread_count_or_the_team(threads, monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("team", ["caller", "openmp", "pool"])
+def test_batched_passes_give_each_tensor_its_own_results(team):
+    """q, k and v share one region per pass (stats_many, encode_many): each tensor's float64
+    sum, amax, NaN flag, K means, codes and saturated count are those of its passes alone,
+    whichever team runs the region and whatever the other tensors hold (a NaN in one flags only
+    that one)."""
+    c = rotation.normalisation(D)
+    q = randn(3, 600, D, seed=21, dtype=torch.bfloat16).transpose(0, 1)  # (T, N, D), strided
+    k = randn(700, 2, D, seed=22, scale=3.0)
+    v = randn(700, 2, D, seed=23, dtype=torch.float16)
+    v[5, 1, 7] = float("nan")
+    tensors = [(q, [0, 0, 600, 600]), (k, [0, 0, 650, 700]), (v, [0, 0, 700, 700])]
+    plans = [(x, *prepare.row_strides(x, "TND"), segs) for x, segs in tensors]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu_prepare.set_team(team)
+        means = [torch.empty(1, 2, D), torch.empty(1, 2, D)]
+        alone = [cpu_prepare.stats(q, plans[0][1], plans[0][3], 3, True, c),
+                 cpu_prepare.stats(k, plans[1][1], plans[1][3], 2, True, c, mean=means[0], compute_mean=True),
+                 cpu_prepare.stats(v, plans[2][1], plans[2][3], 2, False, c)]
+        together = cpu_prepare.stats_many([
+            cpu_prepare.RowPass(k, plans[1][1], plans[1][3], 2, True, means[1], True),
+            cpu_prepare.RowPass(q, plans[0][1], plans[0][3], 3, True),
+            cpu_prepare.RowPass(v, plans[2][1], plans[2][3], 2, False)], c)
+        same = lambda a, b: all(x == y or (x != x and y != y) for x, y in zip(a, b))  # noqa: E731  (NaN sums)
+        assert all(same(a, b) for a, b in zip(together, [alone[1], alone[0], alone[2]]))
+        assert torch.equal(means[0], means[1])
+        assert [s[2] for s in alone] == [False, False, True]
+        outs = [[torch.empty(x.shape, dtype=torch.uint8) for x, _ in tensors] for _ in range(2)]
+        scales, mus, rotates = (0.25, 0.5, 1e-5), (None, means[0], None), (True, True, False)
+        passes = [[cpu_prepare.RowPass(x, st, segs, n, r, mu, False, out, prepare.row_strides(out, "TND")[0], s)
+                   for (x, st, n, segs), out, s, mu, r in zip(plans, outs[i], scales, mus, rotates)] for i in range(2)]
+        sat_alone = [cpu_prepare.encode_many([p], c)[0] for p in passes[0]]
+        sat_together = cpu_prepare.encode_many(passes[1], c)
+    finally:
+        cpu_prepare.set_team("automatic")
+        torch.set_num_threads(before)
+    assert sat_alone == sat_together and sat_alone[2] > 0  # v / 1e-5 saturates
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_pass_one_statistics_are_the_rules_statistics():
     """amax exactly that of the materialised tensor; the float64 sum of squares within float64
     rounding of the exact sum (math.fsum) over the same values."""

@@ -46,6 +46,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -70,9 +71,9 @@ _SIGNATURES = {
     "qfa_isa_level": (_I, []),
     "qfa_last_team": (_I, []),
     "qfa_set_team": (None, [_I]),
-    "qfa_prep_stats": (_I, [_P, _I, _P, _P, _I, _I, _I, _D, _P, _I, _I, _I, _P]),
+    "qfa_prep_stats": (_I, [_I, _P, _D, _I, _I, _P]),
     "qfa_key_means": (_I, [_P, _I, _P, _P, _I, _I, _P, _I]),
-    "qfa_prep_encode": (_I, [_P, _I, _P, _P, _P, _P, _I, _I, _I, _D, _P, _D, _I, _I]),
+    "qfa_prep_encode": (_I, [_I, _P, _D, _I, _I, _P]),
     "qfa_rotate_rows": (_I, [_P, _I, _P, _I, _I, _D, _I, _I]),
     "qfa_encode_flat": (_I, [_P, _I, _P, _I, _I, _I, _I]),
     "qfa_quantize_flat": (_I, [_P, _I, _P, _I, _D, _I, _I]),
@@ -287,6 +288,73 @@ def quantize_flat(x: torch.Tensor, scale: float, isa: int | None = None) -> tupl
     return out, sat
 
 
+class _Tensor(ctypes.Structure):
+    """One tensor of a batched pass: the source's PrepTensor, field for field."""
+
+    _fields_ = [("x", _P), ("dt", _I), ("strides", _P), ("segs", _P), ("nseg", _I), ("heads", _I), ("rotate", _I),
+                ("mean", _P), ("compute_mean", _I), ("out", _P), ("out_strides", _P), ("scale", _D)]
+
+
+class RowPass(NamedTuple):
+    """One tensor of :func:`stats_many` / :func:`encode_many`: ``x`` seen as (A, N, S, 128) with
+    element ``strides`` (sA, sN, sS), its rows by ``segments`` (flat (a, s0, valid, all)
+    quadruples), ``heads`` = N; rotated or not; ``mean`` the K means to subtract (contiguous fp32
+    (segments, N, 128)) or None, and with ``compute_mean`` (pass 1) written there first; for pass
+    2 the uint8 ``out`` with ``out_strides`` and the ``scale``."""
+
+    x: torch.Tensor
+    strides: Sequence[int]
+    segments: Sequence[int]
+    heads: int
+    rotate: bool
+    mean: torch.Tensor | None = None
+    compute_mean: bool = False
+    out: torch.Tensor | None = None
+    out_strides: Sequence[int] = (0, 0, 0)
+    scale: float = 1.0
+
+
+def _check_mean(mean: torch.Tensor | None, segments, heads: int, name: str = "mean") -> None:
+    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous()
+                             or mean.numel() != len(segments) // 4 * heads * 128):
+        raise ValueError(f"{name} must be a contiguous fp32 (segments, heads, 128) tensor")
+
+
+def _structs(passes: Sequence[RowPass], encode: bool) -> tuple[ctypes.Array, list]:
+    """The passes as the source's array of PrepTensor, and the ctypes arrays its pointers point
+    into (the caller holds them until the call returns)."""
+    keep: list = []
+    arr = (_Tensor * len(passes))()
+    for t, p in zip(arr, passes):
+        _check_rows(p.x, p.strides, p.segments, p.heads)
+        _check_mean(p.mean, p.segments, p.heads)
+        if encode:
+            if p.out is None or p.out.dtype != torch.uint8:
+                raise ValueError(f"out must be uint8, got {None if p.out is None else p.out.dtype}")
+            _check_rows(p.out, p.out_strides, p.segments, p.heads, "out")
+        strides, segs, out_strides = _ints(p.strides), _ints(p.segments), _ints(p.out_strides)
+        keep += [strides, segs, out_strides]
+        t.x, t.dt, t.nseg, t.heads, t.rotate = p.x.data_ptr(), DTYPE_CODES[p.x.dtype], len(p.segments) // 4, p.heads, \
+            int(p.rotate)
+        t.strides, t.segs, t.out_strides = ctypes.addressof(strides), ctypes.addressof(segs), ctypes.addressof(out_strides)
+        t.mean = None if p.mean is None else p.mean.data_ptr()
+        t.compute_mean = int(p.compute_mean)
+        t.out = None if p.out is None else p.out.data_ptr()
+        t.scale = float(p.scale)
+    return arr, keep
+
+
+def stats_many(passes: Sequence[RowPass], c: float, isa: int | None = None) -> list[tuple[float, float, bool]]:
+    """Pass 1 of several tensors in one parallel region: per pass, ``(sum of squares, amax,
+    nonfinite)`` of ``H (x - mu)`` over the valid rows (each pass's result the same as alone)."""
+    if not passes:
+        return []
+    arr, alive = _structs(passes, encode=False)
+    result = (ctypes.c_double * (3 * len(passes)))()
+    _checked(module().qfa_prep_stats(len(passes), arr, c, torch.get_num_threads(), _isa(isa), result), "stats")
+    return [(result[3 * i], result[3 * i + 1], result[3 * i + 2] != 0.0) for i in range(len(passes))]
+
+
 def stats(x: torch.Tensor, strides, segments, heads: int, rotate: bool, c: float,
           mean: torch.Tensor | None = None, compute_mean: bool = False,
           isa: int | None = None) -> tuple[float, float, bool]:
@@ -294,17 +362,7 @@ def stats(x: torch.Tensor, strides, segments, heads: int, rotate: bool, c: float
     seen as (A, N, S, 128) with element ``strides`` (sA, sN, sS): ``(sum of squares, amax,
     nonfinite)`` of ``H (x - mu)``, ``mu`` from ``mean`` (contiguous fp32 (segments, N, 128)) or
     none; with ``compute_mean`` the K means are written into ``mean`` first."""
-    _check_rows(x, strides, segments, heads)
-    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous()
-                             or mean.numel() != len(segments) // 4 * heads * 128):
-        raise ValueError("mean must be a contiguous fp32 (segments, heads, 128) tensor")
-    result = (ctypes.c_double * 3)()
-    _checked(module().qfa_prep_stats(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments),
-                                     len(segments) // 4, heads, int(rotate), c,
-                                     None if mean is None else mean.data_ptr(), int(compute_mean),
-                                     torch.get_num_threads(), _isa(isa), result),
-             "stats")
-    return result[0], result[1], result[2] != 0.0
+    return stats_many([RowPass(x, strides, segments, heads, rotate, mean, compute_mean)], c, isa)[0]
 
 
 def key_means(x: torch.Tensor, strides, segments, heads: int, mean_out: torch.Tensor) -> None:
@@ -312,26 +370,26 @@ def key_means(x: torch.Tensor, strides, segments, heads: int, mean_out: torch.Te
     (segments, N, 128)): the float64 sum over the rows in order, divided by their count, rounded
     to fp32 (0 where a segment has no valid row)."""
     _check_rows(x, strides, segments, heads)
-    if mean_out.dtype != torch.float32 or not mean_out.is_contiguous() or \
-            mean_out.numel() != len(segments) // 4 * heads * 128:
-        raise ValueError("mean_out must be a contiguous fp32 (segments, heads, 128) tensor")
+    if mean_out is None:
+        raise ValueError("mean_out must be a contiguous fp32 (segments, heads, 128) tensor, got None")
+    _check_mean(mean_out, segments, heads, "mean_out")
     module().qfa_key_means(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments), len(segments) // 4,
                            heads, mean_out.data_ptr(), torch.get_num_threads())
+
+
+def encode_many(passes: Sequence[RowPass], c: float, isa: int | None = None) -> list[int]:
+    """Pass 2 of several tensors in one parallel region: per pass, the codes of ``H (x - mu) /
+    scale`` for every row of its segments into its ``out``; returns each pass's saturated count."""
+    if not passes:
+        return []
+    arr, alive = _structs(passes, encode=True)
+    sat = (ctypes.c_int64 * len(passes))()
+    _checked(module().qfa_prep_encode(len(passes), arr, c, torch.get_num_threads(), _isa(isa), sat), "encode_rows")
+    return list(sat)
 
 
 def encode_rows(x: torch.Tensor, strides, out: torch.Tensor, out_strides, segments, heads: int, rotate: bool, c: float,
                 mean: torch.Tensor | None, scale: float, isa: int | None = None) -> int:
     """Pass 2: the codes of ``H (x - mu) / scale`` for every row of ``segments`` into the uint8
     ``out`` (element strides ``out_strides``); returns the saturated count."""
-    _check_rows(x, strides, segments, heads)
-    if out.dtype != torch.uint8:
-        raise ValueError(f"out must be uint8, got {out.dtype}")
-    _check_rows(out, out_strides, segments, heads, "out")
-    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous()
-                             or mean.numel() != len(segments) // 4 * heads * 128):
-        raise ValueError("mean must be a contiguous fp32 (segments, heads, 128) tensor")
-    return _checked(module().qfa_prep_encode(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), out.data_ptr(),
-                                             _ints(out_strides), _ints(segments), len(segments) // 4, heads,
-                                             int(rotate), c, None if mean is None else mean.data_ptr(), scale,
-                                             torch.get_num_threads(), _isa(isa)),
-                    "encode_rows")
+    return encode_many([RowPass(x, strides, segments, heads, rotate, mean, False, out, out_strides, scale)], c, isa)[0]
