@@ -171,7 +171,7 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
   float* buf = sc.k.get();
   for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
     const int64_t n = std::min(kGroup, nc - g0);
-    const float* kr = key_rows(c, it, c.k, kpre, j0, g0, n, buf, sc.vmemo);
+    const float* kr = key_rows(c, it, c.k, kpre, j0, g0, n, buf, sc.vmemo);  // (K's scales never use it)
     if (n < kGroup) {  // a short last group: pad with zero keys (their scores are not stored)
       if (kr != buf) { std::memcpy(buf, kr, sizeof(float) * n * D); kr = buf; }
       std::memset(buf + n * D, 0, sizeof(float) * (kGroup - n) * D);

@@ -39,6 +39,7 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
@@ -1037,6 +1038,8 @@ struct PrepTensor {
   const int64_t* out_strides;
   double scale;
 };
+static_assert(sizeof(PrepTensor) == 12 * 8 && offsetof(PrepTensor, scale) == 11 * 8,
+              "PrepTensor: 12 fields of 8 bytes, as cpu_prepare.py's _Tensor (checked at load: qfa_prep_tensor_size)");
 
 }  // namespace
 
@@ -1051,6 +1054,8 @@ void qfa_set_constants(const int64_t* c) {
 }
 
 int64_t qfa_isa_level() { return kDetected; }
+
+int64_t qfa_prep_tensor_size() { return (int64_t)sizeof(PrepTensor); }
 
 void qfa_set_team(int64_t mode) { team_mode.store((int)mode); }
 

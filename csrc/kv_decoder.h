@@ -11,6 +11,7 @@
 #pragma once
 
 #include "kernel_config.h"
+#include "scale_row_memo.h"
 
 #include <algorithm>
 #include <atomic>
@@ -246,7 +247,8 @@ struct Decoder {
 
   // 32 E4M3 codes to fp32, value i times lane i % 8 of lifted[i / 8]: MXFP8's scaled rows (a power
   // of two times each value) in one pass over the codes. lifted is the scales times kE4m3Lift
-  // (exact, and finite for every scale the plan allows: 2^119 * 2^8 < 2^128).
+  // (exact, and finite for every scale the plan allows: 2^119 * 2^8 < 2^128; decode_rows_scaled
+  // takes the table's route for a row with a larger one).
   inline __m256i decode32_e4m3_scaled(const uint8_t* p, float* d, const __m256* lifted) const {
     __m256 f[4];
     const __m256i bad = e4m3_lowered(p, f);
@@ -364,40 +366,28 @@ struct KvSrc {
 
 constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
 
-// The most elements a scaled row may hold (quant_mode 1's head dims go up to 256).
-constexpr int64_t kMaxScaledDim = 256;
-
-// A fresh id per forward call (never 0).
+// A fresh id for a KvSrc of a call (never 0): each call's K and V get one each, which keys the
+// thread's ScaleRowMemo.
 inline uint64_t new_call_id() {
   static std::atomic<uint64_t> last{0};
   return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
-// The last expanded V scale row of a thread (its Scratch holds one: V's scales cover 32 keys, the
-// few-row kernels decode 8 keys a call, and expanding the row, 128 table lookups, cost a quarter
-// of MXFP8's decode when each call did it again). Keyed by the row's address and the call's id,
-// so a row rewritten between calls is never reused.
-struct ScaleRowMemo {
-  const uint8_t* sp = nullptr;
-  uint64_t call_id = 0;
-  bool finite = true;  // no NaN scale in the row
-  alignas(64) float fs[kMaxScaledDim];
-  alignas(64) float lifted[kMaxScaledDim];  // fs times Decoder::kE4m3Lift
-};
-
 // V's scale row at sp (one scale per channel), expanded into memo unless it holds it already.
 inline const ScaleRowMemo& v_scale_row(const KvSrc& src, const uint8_t* sp, int64_t dim, ScaleRowMemo& memo) {
   if (memo.sp != sp || memo.call_id != src.call_id) {
-    bool finite = true;
+    bool finite = true, liftable = true;
     for (int64_t x = 0; x < dim; ++x) {
       const float f = src.e8m0[sp[x * src.el_st]];
       memo.fs[x] = f;
       memo.lifted[x] = f * Decoder::kE4m3Lift;
       finite = finite && !std::isnan(f);
+      liftable = liftable && !std::isinf(memo.lifted[x]);
     }
     memo.sp = sp;
     memo.call_id = src.call_id;
     memo.finite = finite;
+    memo.liftable = liftable;
   }
   return memo;
 }
@@ -434,9 +424,11 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
     // per is a multiple of 32; V: the channels' 32). Non-finite codes (rare) take the table.
     if (dc.simd && dc.e4m3 && src.st[3] == 1 && dim % 32 == 0 && (src.per == 1 || src.per % 32 == 0)) {
       const ScaleRowMemo* vs = nullptr;
+      bool lift_ok = true;  // no scale beyond the plan's cap (a direct caller's): else the table's route
       if (src.per == 1) {
         vs = &v_scale_row(src, sp, dim, memo);
         scales_finite = scales_finite && vs->finite;
+        lift_ok = vs->liftable;
       }
       __m256i bad = _mm256_setzero_si256();
       for (int64_t x = 0; x < dim; x += 32) {
@@ -446,10 +438,13 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
         } else {
           const float f = src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
           scales_finite = scales_finite && !std::isnan(f);
-          mul[0] = mul[1] = mul[2] = mul[3] = _mm256_set1_ps(f * Decoder::kE4m3Lift);
+          const float lifted = f * Decoder::kE4m3Lift;
+          lift_ok = lift_ok && !std::isinf(lifted);
+          mul[0] = mul[1] = mul[2] = mul[3] = _mm256_set1_ps(lifted);
         }
         bad = _mm256_or_si256(bad, dc.decode32_e4m3_scaled(p + x, d + x, mul));
       }
+      if (!lift_ok) bad = _mm256_set1_epi8(-1);
       if (!_mm256_testz_si256(bad, bad)) {
         for (int64_t x = 0; x < dim; ++x) {
           const float f = vs ? vs->fs[x] : src.e8m0[sp[(x >> src.per_shift) * src.el_st]];

@@ -10,7 +10,7 @@
 #pragma once
 
 #include "kernel_config.h"
-#include "kv_decoder.h"
+#include "scale_row_memo.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -122,9 +122,9 @@ def key_means(k: torch.Tensor, layout: str, segs: Sequence[int]) -> torch.Tensor
 
 class Rows(NamedTuple):
     """One tensor of :func:`encode_tensors`: float ``x`` (rows of 128 on CPU) and its rows by
-    sequence (:func:`segments`); ``scale`` static (checked) or None (computed by the rule);
-    ``smooth``: subtract the K means, computed here, or ``mean`` when given ((sequences, N,
-    128) fp32); ``name`` for the errors."""
+    sequence (:func:`segments`); ``scale`` static or None (computed by the rule), and ``check``
+    the static scale's check (None: checked already); ``smooth``: subtract the K means, computed
+    here, or ``mean`` when given ((sequences, N, 128) fp32); ``name`` for the errors."""
 
     x: torch.Tensor
     segs: Sequence[int]
@@ -132,6 +132,7 @@ class Rows(NamedTuple):
     smooth: bool = False
     mean: Optional[torch.Tensor] = None
     name: str = "x"
+    check: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 Encoded = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]
@@ -163,12 +164,19 @@ def encode_tensors(items: Sequence[Rows], layout: str, *, rotate: bool, reductio
     # K computing its means runs in whole-slab chunks: first, so that none is left for the region's end
     order = sorted(range(len(stats)), key=lambda j: not stats[j].compute_mean)
     found = dict(zip(order, cpu_prepare.stats_many([stats[j] for j in order], _C)))
-    scales = [it.scale for it in items]
-    for j, i in enumerate(stats_of):  # in the items' order: the first bad tensor is the one named
-        sumsq, amax, nonfinite = found[j]
+    # The scales in the items' order, as the materialised path takes them: the first bad one is
+    # the error raised (a static scale's check, a computed one's finish), or a NaN / Inf met
+    # first returns None so that path names its tensor.
+    scales = list(it.scale for it in items)
+    stats_at = {i: j for j, i in enumerate(stats_of)}
+    for i, it in enumerate(items):
+        if i not in stats_at:
+            scales[i] = it.scale if it.check is None else it.check(it.scale)
+            continue
+        sumsq, amax, nonfinite = found[stats_at[i]]
         if nonfinite:
             return None
-        scales[i] = _finish(reduction, sumsq, amax, sum(items[i].segs[2::4]) * rows[i][2] * HEAD_DIM, items[i].name)
+        scales[i] = _finish(reduction, sumsq, amax, sum(it.segs[2::4]) * rows[i][2] * HEAD_DIM, it.name)
     codes = [torch.empty(x.shape, dtype=torch.uint8) for x, _, _, _ in rows]
     saturated = cpu_prepare.encode_many(
         [cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu, False, out, row_strides(out, layout)[0], float(scale))
@@ -203,7 +211,8 @@ def quantized_inputs(c: DropinCall, check_static: Callable[[torch.Tensor, str, t
     seg_kv = segments(c.k, c.layout, c.cu_seqlens_kv, c.seqused_kv)
     if seg_q is None or seg_kv is None:
         return None
-    items = [Rows(t, segs, None if s is None else check_static(s, name, t.device), c.smooth_k and name == "k", None, name)
+    items = [Rows(t, segs, s, c.smooth_k and name == "k", None, name,
+                  None if s is None else (lambda s, name=name, device=t.device: check_static(s, name, device)))
              for t, s, name, segs in ((c.q, c.q_scale, "q", seg_q), (c.k, c.k_scale, "k", seg_kv),
                                       (c.v, c.v_scale, "v", seg_kv))]
     done = encode_tensors(items, c.layout, rotate=c.rotate, reduction=reduction)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -437,6 +438,28 @@ def test_non_finite_inputs_still_name_the_tensor():
     k[1, 0, 3, 5] = math.inf
     with pytest.raises(ValueError, match="^k contains NaN or Inf"):
         qfa.hif8_attention(c.q, k, c.v)
+
+
+@pytest.mark.parametrize("bad", ["q", "k", "v"])
+def test_the_first_bad_input_in_q_k_v_order_is_the_one_named(bad, monkeypatch):
+    """A NaN in one input whose scale is computed, beside a NaN static scale of a later one (or
+    an earlier one): the native passes raise the error the materialised path raises, the first
+    bad one in q, k, v order, though they check the scales after one batched pass 1."""
+    c = _call("BNSD", torch.float32, seed=11)
+    tensors = {"q": c.q.clone(), "k": c.k.clone(), "v": c.v.clone()}
+    tensors[bad][0, 1, 2, 3] = math.nan
+    scale_of = {"q": "k", "k": "v", "v": "q"}[bad]  # a bad static scale elsewhere
+    scales = tuple(torch.tensor([math.nan]) if n == scale_of else None for n in "qkv")
+    errors = []
+    for native in ("1", "0"):
+        monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
+        with pytest.raises(ValueError) as info:
+            qfa.hif8_attention(tensors["q"], tensors["k"], tensors["v"], scales=scales)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+    first = min(bad, scale_of, key="qkv".index)
+    want = f"^{bad} contains NaN or Inf" if first == bad else rf"^scales\[{'qkv'.index(first)}\] \({first}_scale\)"
+    assert re.match(want, errors[0]), errors[0]
 
 
 # ----------------------------------------------------------------------------- encode_tokens

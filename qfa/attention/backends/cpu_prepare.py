@@ -69,6 +69,7 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = {
     "qfa_set_constants": (None, [_P]),
     "qfa_isa_level": (_I, []),
+    "qfa_prep_tensor_size": (_I, []),
     "qfa_last_team": (_I, []),
     "qfa_set_team": (None, [_I]),
     "qfa_prep_stats": (_I, [_I, _P, _D, _I, _I, _P]),
@@ -125,6 +126,9 @@ def _build() -> ctypes.CDLL:
     for fn, (restype, argtypes) in _SIGNATURES.items():
         getattr(lib, fn).restype = restype
         getattr(lib, fn).argtypes = argtypes
+    if lib.qfa_prep_tensor_size() != ctypes.sizeof(_Tensor):
+        raise RuntimeError(f"{name}: its PrepTensor is {lib.qfa_prep_tensor_size()} bytes, _Tensor "
+                           f"{ctypes.sizeof(_Tensor)}: the source and this module disagree")
     consts = constants()
     lib.qfa_set_constants((ctypes.c_int64 * len(consts))(*consts))
     return lib
