@@ -83,6 +83,16 @@ void check_table(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == at::kFloat && t.numel() == 256 && t.is_contiguous(), name, ": 256 contiguous fp32 values");
 }
 
+// The bytes of a tensor of 8-bit codes: uint8, or the float8 dtypes whose codes the kernel reads
+// as bytes (E4M3 elements, E8M0 scales). Taken as they come: a Python view to uint8 per tensor
+// was a quarter of a mode 1 call's host-side ATen calls.
+const uint8_t* code_bytes(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kByte || st == at::ScalarType::Float8_e4m3fn || st == at::ScalarType::Float8_e8m0fnu, name,
+              ": uint8, float8_e4m3fn or float8_e8m0fnu codes, got ", st);
+  return static_cast<const uint8_t*>(t.data_ptr());
+}
+
 // See qfa/attention/backends/cpu_kernel.py for the arguments.
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> strides,
              at::Tensor& out, std::vector<int64_t> out_strides, at::Tensor& lse, std::vector<int64_t> lse_strides,
@@ -95,12 +105,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              std::vector<int64_t> q_scale_strides, const at::Tensor& k_scale, std::vector<int64_t> k_scale_desc,
              const at::Tensor& v_scale, std::vector<int64_t> v_scale_desc, std::vector<int64_t> v_scale_starts,
              const at::Tensor& v_descale_heads) {
-  TORCH_CHECK(q.dtype() == at::kByte && k.dtype() == at::kByte && v.dtype() == at::kByte, "codes must be uint8");
   TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
   TORCH_CHECK(lse.dtype() == at::kFloat, "lse must be fp32");
   check_table(decode_table, "decode_table");
   qfa_kernel::ForwardArgs a;
-  a.q = q.data_ptr<uint8_t>(); a.k = k.data_ptr<uint8_t>(); a.v = v.data_ptr<uint8_t>();
+  a.q = code_bytes(q, "q"); a.k = code_bytes(k, "k"); a.v = code_bytes(v, "v");
   a.strides = std::move(strides);
   if (fill) {
     // A fresh out / lse: 0 and +inf for the rows no batch owns, set here on the calling thread. A
@@ -144,14 +153,13 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     a.k_scale = k_scale.data_ptr<float>();
     a.v_descale_heads = v_descale_heads.data_ptr<float>();
   } else if (quant_mode == 1) {
-    TORCH_CHECK(q_scale.dtype() == at::kByte && k_scale.dtype() == at::kByte && v_scale.dtype() == at::kByte &&
-                q_scale_strides.size() == 2 && k_scale_desc.size() == 7 && v_scale_desc.size() == 7 &&
-                v_scale_starts.size() == a.kv_starts.size(), "mode 1 scales: uint8 E8M0 tensors and their layout");
+    TORCH_CHECK(q_scale_strides.size() == 2 && k_scale_desc.size() == 7 && v_scale_desc.size() == 7 &&
+                v_scale_starts.size() == a.kv_starts.size(), "mode 1 scales: E8M0 tensors and their layout");
     check_table(e8m0_table, "e8m0_table");
     a.e8m0_table = e8m0_table.data_ptr<float>();
-    a.q_scale = q_scale.data_ptr<uint8_t>();
-    a.k_scale = k_scale.data_ptr<uint8_t>();
-    a.v_scale = v_scale.data_ptr<uint8_t>();
+    a.q_scale = code_bytes(q_scale, "q_scale");
+    a.k_scale = code_bytes(k_scale, "k_scale");
+    a.v_scale = code_bytes(v_scale, "v_scale");
   }
   a.q_scale_strides = std::move(q_scale_strides);
   a.k_scale_desc = std::move(k_scale_desc);

@@ -476,22 +476,18 @@ def supports_scaled(plan: AttentionPlan) -> bool:
     return plan.device.type == "cpu" and available() and plan.head_dim % _module.vec_width() == 0
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
-
-
 def _pairs_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` (.., pairs, 2) with its last two axes contiguous, so a row's scales lie at stride 1."""
     return t if t.stride(-1) == 1 and t.stride(-2) == 2 else t.contiguous()
 
 
 def _mxfp8_scales(plan: AttentionPlan, q_descale, k_descale, v_descale):
-    """(q scales (Tq, Nq, ceil(D/32)) uint8 and its (token, head) strides, k and v scales as
-    uint8 views with the kernel's descriptors, v's per-batch first key)."""
+    """(q scales (Tq, Nq, ceil(D/32)) E8M0 and its (token, head) strides, k and v scales with
+    the kernel's descriptors, v's per-batch first key); the kernel reads E8M0 codes as bytes."""
     meta = plan.meta
-    q_s = _bytes(mxfp8.unpack_q_descale(q_descale, plan.head_dim, meta.layout_q_descale))
-    k_s = _bytes(_pairs_contiguous(k_descale))
-    v_s = _bytes(v_descale)
+    q_s = mxfp8.unpack_q_descale(q_descale, plan.head_dim, meta.layout_q_descale)
+    k_s = _pairs_contiguous(k_descale)
+    v_s = v_descale
     st_k, st_v = k_s.stride(), v_s.stride()
     if meta.layout_kv == "TND":  # k (T, N, P, 2); v (sum ceil(len/64), N, D, 2)
         k_desc = [0, st_k[1], st_k[0], 1, 0, 1, 32]
@@ -579,7 +575,7 @@ def forward_scaled(
     if mode == QuantMode.MXFP8:
         q_s, q_st, k_s, k_desc, v_s, v_desc, starts = _mxfp8_scales(plan, q_descale, k_descale, v_descale)
         if bf16_dot and max(plan.q_lens, default=0) * plan.group > 16:  # many-row blocks: bf16 only if exact
-            bf16_dot = all(int(t.min()) >= MIN_BF16_E8M0 for t in (q_s, k_s, v_s) if t.numel())
+            bf16_dot = all(int(t.view(torch.uint8).min()) >= MIN_BF16_E8M0 for t in (q_s, k_s, v_s) if t.numel())
         args = (1, _e8m0_table(), q_s, q_st, k_s, k_desc, v_s, v_desc, starts, _NO_SCALE)
         v_scalar = 1.0
     else:
@@ -591,7 +587,7 @@ def forward_scaled(
     ln_p = _ln_p_scale(p_scale)
     chunk_blocks = max(1, chunk_keys // plan.block_n)
     _module.forward(
-        _bytes(q), _bytes(k), _bytes(v), (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, plan.out_strides,
+        q, k, v, (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, plan.out_strides,
         lse, lse_strides, plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_scalar, _e4m3_table(), _ROUND_CONSTS,
         tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table, plan.block_size,
