@@ -598,8 +598,9 @@ def test_the_op_hands_the_kernel_the_arguments_of_the_general_derivation(mode, m
         assert direct_args[29] is cpu_kernel.bf16_dot()
         if mode == 1:
             q_s, q_st, starts = direct_args[33], direct_args[34], direct_args[39]
-            want = mxfp8._unpack_q_descale(args[3], D, "TND").view(torch.uint8)
-            assert q_s.dtype == torch.uint8 and q_s.data_ptr() == want.data_ptr() and torch.equal(q_s, want)
+            want = mxfp8._unpack_q_descale(args[3], D, "TND")  # E8M0: the kernel reads its bytes
+            assert q_s.dtype == want.dtype == torch.float8_e8m0fnu and q_s.data_ptr() == want.data_ptr()
+            assert torch.equal(q_s.view(torch.uint8), want.view(torch.uint8))
             assert list(q_st) == list(want.stride()[:2])
             rows, want_starts = 0, []
             for n in kv_segment_lengths(plan):
