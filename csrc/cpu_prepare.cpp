@@ -1175,10 +1175,20 @@ constexpr int64_t kGrain = 1 << 18;
 constexpr int64_t kStreamMin = 1 << 23;
 
 // A large output is fresh memory: every 4 KiB page of it faults on its first write (1-2 us each
-// in the VM measured here, about as long as the encode itself at 64M codes). Huge pages (where
+// in the VMs measured here, about as long as the encode itself at 64M codes). Huge pages (where
 // the kernel honours madvise) take one fault per 2 MiB. Only the output this call allocated.
+// The loader turns the hint off where huge pages cost more than they save: a guest whose balloon
+// reports free memory hands every 2 MiB block idle for a few seconds back to its host, and a huge
+// page fault on one then waits for the host to back it (80 ms for 64 MiB against 12-25 ms in 4 KiB
+// pages, measured on such a guest); cpu_prepare.py decides, from the virtio devices.
+static std::atomic<int> g_huge_pages{1};
+
+void qfa_set_huge_pages(int64_t on) { g_huge_pages.store(on != 0, std::memory_order_relaxed); }
+int64_t qfa_huge_pages() { return g_huge_pages.load(std::memory_order_relaxed); }
+
 void prefer_huge_pages(uint8_t* out, int64_t n) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (!g_huge_pages.load(std::memory_order_relaxed)) return;
   constexpr uintptr_t kHuge = uintptr_t(1) << 21;
   uintptr_t lo = (reinterpret_cast<uintptr_t>(out) + kHuge - 1) & ~(kHuge - 1);
   uintptr_t hi = (reinterpret_cast<uintptr_t>(out) + (uintptr_t)n) & ~(kHuge - 1);

@@ -129,6 +129,52 @@ def test_outputs_past_the_caches_stream_with_the_same_bits(level):
     assert saturated == int(((q.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(q)).sum())
 
 
+def _virtio(root, devices):
+    """A fake /sys/bus/virtio/devices: one folder per (device id, features string)."""
+    for i, (device, features) in enumerate(devices):
+        entry = root / f"virtio{i}"
+        entry.mkdir()
+        (entry / "device").write_text(f"0x{device:04x}\n")
+        (entry / "features").write_text(features + "\n")
+    return root
+
+
+@pytest.mark.parametrize("devices, reports", [
+    ([], False),
+    ([(5, "0110010100000000")], True),             # a balloon with VIRTIO_BALLOON_F_REPORTING (bit 5)
+    ([(5, "0110000100000000")], False),            # a balloon without it
+    ([(2, "0010011001100100"), (1, "1100010110111011")], False),   # a disk and a NIC: bit 5 is theirs
+    ([(2, "0000010000000000"), (5, "0000010000000000")], True),
+    ([(5, "01100")], False),                       # a features string too short to hold the bit
+], ids=["none", "balloon-reports", "balloon-quiet", "other-devices", "mixed", "short"])
+def test_free_page_reporting_reads_the_balloons_feature_bit(tmp_path, devices, reports):
+    assert cpu_prepare.free_page_reporting(_virtio(tmp_path, devices)) is reports
+
+
+def test_free_page_reporting_without_sysfs_or_with_odd_entries(tmp_path):
+    assert cpu_prepare.free_page_reporting(tmp_path / "absent") is False
+    (tmp_path / "virtio0").mkdir()                          # no device file
+    odd = tmp_path / "virtio1"
+    odd.mkdir()
+    (odd / "device").write_text("balloon\n")                # not a hex id
+    assert cpu_prepare.free_page_reporting(tmp_path) is False
+
+
+def test_the_huge_page_hint_follows_the_machine_and_keeps_the_bits():
+    assert cpu_prepare.huge_pages() is (not cpu_prepare.free_page_reporting())
+    x = torch.randn(STREAM_MIN + 77, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = table_codes(x.float(), "saturate")
+    lib = cpu_prepare.module()
+    before = lib.qfa_huge_pages()
+    try:
+        for on in (1, 0):
+            lib.qfa_set_huge_pages(on)
+            assert cpu_prepare.huge_pages() is bool(on)
+            assert torch.equal(cpu_prepare.encode_flat(x), want)
+    finally:
+        lib.qfa_set_huge_pages(before)
+
+
 def test_a_forked_child_encodes_after_the_parents_parallel_cast():
     """libgomp's team does not survive fork: the child runs the cast on its calling thread
     (it hung in the parent's team before). Compared by hash: a torch op in the child could

@@ -72,6 +72,8 @@ _SIGNATURES = {
     "qfa_prep_tensor_size": (_I, []),
     "qfa_last_team": (_I, []),
     "qfa_set_team": (None, [_I]),
+    "qfa_set_huge_pages": (None, [_I]),
+    "qfa_huge_pages": (_I, []),
     "qfa_prep_stats": (_I, [_I, _P, _D, _I, _I, _P]),
     "qfa_key_means": (_I, [_P, _I, _P, _P, _I, _I, _P, _I]),
     "qfa_prep_encode": (_I, [_I, _P, _D, _I, _I, _P]),
@@ -131,7 +133,42 @@ def _build() -> ctypes.CDLL:
                            f"{ctypes.sizeof(_Tensor)}: the source and this module disagree")
     consts = constants()
     lib.qfa_set_constants((ctypes.c_int64 * len(consts))(*consts))
+    lib.qfa_set_huge_pages(int(not free_page_reporting()))
     return lib
+
+
+#: Where Linux lists virtio devices, and what marks a balloon that reports free pages: its
+#: device id and the feature bit (VIRTIO_BALLOON_F_REPORTING) in its ``features`` string of
+#: '0'/'1', bit 0 first.
+VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
+_BALLOON_ID, _REPORTING_BIT = 5, 5
+
+
+def free_page_reporting(devices: Path = VIRTIO_DEVICES) -> bool:
+    """Whether this machine is a guest whose balloon reports free pages to its host. There a
+    2 MiB block left free for a few seconds goes back to the host, and a huge page fault on it
+    waits for the host to back it again, so the large casts' huge-page hint (``csrc``'s
+    ``prefer_huge_pages``) costs more than it saves and is left off. Unreadable entries count as
+    no such device."""
+    try:
+        entries = list(devices.iterdir())
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            if int((entry / "device").read_text().strip(), 16) != _BALLOON_ID:
+                continue
+            features = (entry / "features").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if len(features) > _REPORTING_BIT and features[_REPORTING_BIT] == "1":
+            return True
+    return False
+
+
+def huge_pages() -> bool:
+    """Whether the large casts ask for huge pages for their outputs (see :func:`free_page_reporting`)."""
+    return bool(module().qfa_huge_pages())
 
 
 def _load() -> None:

@@ -93,7 +93,9 @@ def encode_path(device: str, backend: str | None) -> str:
     if device == "cpu" and cpu_prepare.available():
         level = cpu_prepare.isa_level()
         how = "vpermi2w register tables" if cpu_prepare.ISA_NAMES[level] == "AVX-512" else "a 65536-entry code table"
-        return f"native encoder, {cpu_prepare.ISA_NAMES[level]} ({how})"
+        pages = ("huge pages asked for" if cpu_prepare.huge_pages()
+                 else "no huge-page hint: this guest's balloon reports free pages")
+        return f"native encoder, {cpu_prepare.ISA_NAMES[level]} ({how}; large outputs: {pages})"
     return "torch path (a table gather, TorchInductor-compiled)"
 
 
