@@ -17,6 +17,7 @@
 #include "kernel_config.h"
 #include "kernel_api.h"
 #include "kv_decoder.h"
+#include "row_rotation.h"
 #include "thread_scratch.h"
 
 #include <algorithm>
@@ -36,6 +37,9 @@ struct Call {
   int64_t sq[4];  // element strides (batch, head, position, dim)
   int16_t* out;    // bf16 bits, or
   float* out_f32;  // O / l unrounded (the tests' view of the fp32 result), when out is fp32
+  void* out_rot = nullptr;  // or H bf16(O / l) in dtype rot_dt (the drop-in's epilogue, ForwardArgs)
+  int rot_dt = 0;
+  float rot_c = 0.f;
   int64_t so[4];
   float* lse;  // nullptr when not returned
   int64_t sl[3];  // (batch, head, position) strides of lse
@@ -634,7 +638,12 @@ void finish(const Call& c, const Item& it, const float* m, const float* l, const
     const int64_t at = it.b * c.so[0] + n * c.so[1] + (qs + i) * c.so[2];
     const bool seen = c.kv_lens[it.b] > 0 && (!c.causal || i + offset_of(c, it.b) >= 0);
     const float* orow = o + r * D;
-    if (c.out_f32) {
+    if (c.out_rot) {  // the bf16 row the op would return, rotated back by the drop-in's own code
+      alignas(64) uint16_t row[qfa_rows::kD];
+      for (int64_t x = 0; x < D; ++x) row[x] = seen ? static_cast<uint16_t>(bf16_half_away(orow[x] / l[r])) : 0;
+      qfa_rows::rotate_row_built(qfa_rows::RowIn{row, qfa_rows::BF16, nullptr, true, c.rot_c},
+                                 static_cast<char*>(c.out_rot) + at * qfa_rows::esize(c.rot_dt), c.rot_dt);
+    } else if (c.out_f32) {
       for (int64_t x = 0; x < D; ++x) c.out_f32[at + x * c.so[3]] = seen ? orow[x] / l[r] : 0.f;
     } else {
       for (int64_t x = 0; x < D; ++x) c.out[at + x * c.so[3]] = seen ? bf16_half_away(orow[x] / l[r]) : int16_t(0);

@@ -75,6 +75,14 @@ void qfa_kernel::forward(const ForwardArgs& a) {
   }
   c.out = a.out_bf16;
   c.out_f32 = a.out_f32;
+  if (a.rotate_c != 0) {
+    QFA_CHECK(a.out_rotated && dim == qfa_rows::kD && a.out_strides[3] == 1 && a.rotated_dtype >= qfa_rows::F32 &&
+                  a.rotated_dtype <= qfa_rows::F16,
+              "the rotated output needs head_dim ", qfa_rows::kD, ", rows contiguous along it and a float dtype");
+    c.out_rot = a.out_rotated;
+    c.rot_dt = static_cast<int>(a.rotated_dtype);
+    c.rot_c = static_cast<float>(a.rotate_c);
+  }
   c.lse = a.lse;
   for (int i = 0; i < 3; ++i) c.sl[i] = a.lse_strides[i];
   c.heads_kv = heads_kv; c.group = group; c.dim = dim; c.block_n = block_n;

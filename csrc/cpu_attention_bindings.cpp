@@ -104,8 +104,10 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              bool fill, int64_t quant_mode, const at::Tensor& e8m0_table, const at::Tensor& q_scale,
              std::vector<int64_t> q_scale_strides, const at::Tensor& k_scale, std::vector<int64_t> k_scale_desc,
              const at::Tensor& v_scale, std::vector<int64_t> v_scale_desc, std::vector<int64_t> v_scale_starts,
-             const at::Tensor& v_descale_heads) {
-  TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat, "out must be bf16 (or fp32)");
+             const at::Tensor& v_descale_heads, double rotate_c) {
+  // rotate_c != 0: out is the drop-in's output in its own dtype (ForwardArgs::out_rotated)
+  TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat || (rotate_c != 0 && out.dtype() == at::kHalf),
+              rotate_c != 0 ? "out must be fp32, bf16 or fp16" : "out must be bf16 (or fp32)");
   TORCH_CHECK(lse.dtype() == at::kFloat, "lse must be fp32");
   check_table(decode_table, "decode_table");
   qfa_kernel::ForwardArgs a;
@@ -120,7 +122,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     if (lse.numel()) std::fill(lse.data_ptr<float>(), lse.data_ptr<float>() + lse.numel(),
                                std::numeric_limits<float>::infinity());
   }
-  if (out.dtype() == at::kBFloat16) {
+  if (rotate_c != 0) {
+    a.out_rotated = out.data_ptr();
+    a.rotated_dtype = out.dtype() == at::kFloat ? 0 : out.dtype() == at::kBFloat16 ? 1 : 2;  // row_rotation.h's Dtype
+    a.rotate_c = rotate_c;
+  } else if (out.dtype() == at::kBFloat16) {
     a.out_bf16 = reinterpret_cast<int16_t*>(out.data_ptr<at::BFloat16>());
   } else {
     a.out_f32 = out.data_ptr<float>();

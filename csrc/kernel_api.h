@@ -45,6 +45,13 @@ struct ForwardArgs {
   const uint8_t* v_scale = nullptr;
   std::vector<int64_t> v_scale_desc, v_scale_starts;
   const float* v_descale_heads = nullptr;  // heads_kv values (mode 6)
+  // The drop-in's epilogue (rotate_c != 0): out_rotated receives H bf16(O / l) of every row in a
+  // float dtype (row_rotation.h's Dtype codes; finite values beyond it saturate), the output the
+  // drop-in's un-rotation pass would make of out; out_bf16 / out_f32 are then not written. Needs
+  // dim 128 and rows contiguous along it.
+  void* out_rotated = nullptr;
+  int64_t rotated_dtype = 0;
+  double rotate_c = 0;
   int64_t threads = 1;   // torch.get_num_threads()
   bool nested = false;   // called inside a parallel region (at::in_parallel_region())
 };

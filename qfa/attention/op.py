@@ -90,6 +90,7 @@ def quant_flash_attn(
     return_softmax_lse: bool = False,
     layout: str | None = None,
     backend: str | None = None,
+    _rotated_output: cpu_kernel.RotatedOutput | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention on 8-bit Q/K/V with their descales; bf16 output.
 
@@ -202,7 +203,9 @@ def quant_flash_attn(
         q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
     kernel = _backend(plan, backend)
     if kernel is cpu_kernel and not plan.paged:  # reads the descales' values, builds no graph: no no_grad
-        return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, known_available=True)
+        # _rotated_output: the HiF8 drop-in's epilogue (qfa.dropin.eager), for no one else
+        return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, known_available=True,
+                              rotated=_rotated_output)
     with torch.no_grad():  # an inference op: a descale that requires grad must not build a graph
         if not plan.paged:
             return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale)

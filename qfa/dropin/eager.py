@@ -89,13 +89,13 @@ def _hif8(c: DropinCall, tensors, softmax_scale: float, metadata: Metadata | Non
     return _hif8_op(c, codes, scales, softmax_scale, metadata)
 
 
-def _hif8_op(c: DropinCall, codes, scales, softmax_scale: float,
-             metadata: Metadata | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _hif8_op(c: DropinCall, codes, scales, softmax_scale: float, metadata: Metadata | None,
+             rotated: cpu_kernel.RotatedOutput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_flash_attn(
         *codes, *scales, QuantMode.HIF8_PER_TENSOR, p_scale=c.p_scale, layout=c.layout,
         cu_seqlens_q=c.cu_seqlens_q, cu_seqlens_kv=c.cu_seqlens_kv, seqused_q=c.seqused_q, seqused_kv=c.seqused_kv,
         mask_mode=MaskMode.CAUSAL if c.is_causal else MaskMode.NONE, softmax_scale=softmax_scale,
-        return_softmax_lse=c.return_softmax_lse, backend=c.backend, metadata=metadata,
+        return_softmax_lse=c.return_softmax_lse, backend=c.backend, metadata=metadata, _rotated_output=rotated,
     )
 
 
@@ -128,9 +128,12 @@ def run(c: DropinCall, metadata: Metadata | None = None,
     # HiF8 on CPU: two native passes per tensor, no float copies (qfa.dropin.prepare); else
     # the materialised tensors (the same definitions in torch ops).
     done = fused.quantized_inputs(c, static_scale) if process_group is None else None
+    rotated = None
     if done is not None:
         codes, scales, mu = done
-        out, lse = _hif8_op(c, codes, scales, softmax_scale, metadata)
+        # The native kernel un-rotates the output as it writes it (where it runs: the op says)
+        rotated = cpu_kernel.RotatedOutput(c.q.dtype, fused.ROTATION_C) if c.rotate else None
+        out, lse = _hif8_op(c, codes, scales, softmax_scale, metadata, rotated)
         del codes
     else:
         tensors, mu = prepare(c.q, c.k, c.v, layout=c.layout, cu_seqlens_kv=c.cu_seqlens_kv,
@@ -140,7 +143,10 @@ def run(c: DropinCall, metadata: Metadata | None = None,
         else:  # per-block / per-token scales: nothing to reduce across a process group's head shards
             out, lse = dropin_scaled.run(c, tensors)
         del tensors
-    restored = fused.restore_output(out, c.q.dtype) if c.rotate else None  # H is its own inverse
+    if rotated is not None and rotated.applied:
+        restored = out
+    else:
+        restored = fused.restore_output(out, c.q.dtype) if c.rotate else None  # H is its own inverse
     if restored is None:
         restored = saturating_cast(rotation.rotate(out) if c.rotate else out, c.q.dtype)
     out = restored

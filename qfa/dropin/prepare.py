@@ -50,7 +50,7 @@ from qfa.tiling.checks import check_bool
 #: The head dimension the native passes take (rotation's native row).
 HEAD_DIM = rotation.NATIVE_SIZE
 #: The rotation's fp32 normalisation fl(1/sqrt(128)).
-_C = rotation.normalisation(HEAD_DIM)
+ROTATION_C = rotation.normalisation(HEAD_DIM)
 
 
 def row_strides(t: torch.Tensor, layout: str) -> tuple[tuple[int, int, int], int]:
@@ -163,7 +163,7 @@ def encode_tensors(items: Sequence[Rows], layout: str, *, rotate: bool, reductio
         rows.append((x, strides, heads, mu if it.smooth else None))
     # K computing its means runs in whole-slab chunks: first, so that none is left for the region's end
     order = sorted(range(len(stats)), key=lambda j: not stats[j].compute_mean)
-    found = dict(zip(order, cpu_prepare.stats_many([stats[j] for j in order], _C)))
+    found = dict(zip(order, cpu_prepare.stats_many([stats[j] for j in order], ROTATION_C)))
     # The scales in the items' order, as the materialised path takes them: the first bad one is
     # the error raised (a static scale's check, a computed one's finish), or a NaN / Inf met
     # first returns None so that path names its tensor.
@@ -180,7 +180,7 @@ def encode_tensors(items: Sequence[Rows], layout: str, *, rotate: bool, reductio
     codes = [torch.empty(x.shape, dtype=torch.uint8) for x, _, _, _ in rows]
     saturated = cpu_prepare.encode_many(
         [cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu, False, out, row_strides(out, layout)[0], float(scale))
-         for (x, strides, heads, mu), it, out, scale in zip(rows, items, codes, scales)], _C)
+         for (x, strides, heads, mu), it, out, scale in zip(rows, items, codes, scales)], ROTATION_C)
     return [(out, scale, mu, sat) for out, scale, (_, _, _, mu), sat in zip(codes, scales, rows, saturated)]
 
 
@@ -227,7 +227,7 @@ def restore_output(out: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tens
     native pass does not apply."""
     if not native_rows(out) or dtype not in cpu_prepare.DTYPE_CODES:
         return None
-    return cpu_prepare.rotate_rows(out.contiguous(), dtype, _C)
+    return cpu_prepare.rotate_rows(out.contiguous(), dtype, ROTATION_C)
 
 
 def _check_tokens(x, mean, rotate, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

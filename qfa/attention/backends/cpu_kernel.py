@@ -83,6 +83,7 @@ import os
 import struct
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -94,7 +95,7 @@ from qfa.cast import luts
 from qfa.cast import mxfp8
 from qfa.cast import rounding
 from qfa.tiling.attention import AttentionPlan, lse_shape, normalised_strides
-from qfa.tiling.spec import QuantMode
+from qfa.tiling.spec import HEAD_DIM, QuantMode
 
 ENV_VAR = "QFA_NATIVE"
 SOURCE = Path(csrc.__file__).resolve().parent / "cpu_attention.cpp"
@@ -351,19 +352,46 @@ def _decode_table() -> torch.Tensor:
     return _table
 
 
+#: The dtypes the kernel's rotated epilogue writes (csrc/row_rotation.h's), and the head dim of
+#: its rows (the HiF8 mode's; row_rotation.h's kD).
+ROTATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROTATION_DIM = HEAD_DIM
+
+
+@dataclass
+class RotatedOutput:
+    """The HiF8 drop-in's epilogue, asked of :func:`forward`: ``out`` as ``H bf16(out)`` in
+    ``dtype``, with H the normalised Hadamard rotation (``c`` its fp32 normalisation) and finite
+    values beyond ``dtype``'s range saturated: bit for bit what
+    :func:`qfa.dropin.prepare.restore_output` makes of the op's bf16 out, written as the kernel
+    finishes each row instead of in a pass of its own over a bf16 copy. ``applied`` is set when
+    a run did so (head dim 128 and one of :data:`ROTATED_DTYPES`; the op runs it only on this
+    kernel with K/V not paged); otherwise out is the op's usual bf16 out."""
+
+    dtype: torch.dtype
+    c: float
+    applied: bool = False
+
+
 def forward(
     plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor, p_scale: torch.Tensor | None,
     *, known_available: bool = False, block_table: torch.Tensor | None = None,
+    rotated: RotatedOutput | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the plan; returns (out bf16 in q's layout, lse fp32 or an empty tensor), as torch_path.
     ``known_available``: the caller has just seen :func:`available` say True (the op has).
-    ``block_table``: paged K/V (the plan's layout_kv PA_*), read in place."""
+    ``block_table``: paged K/V (the plan's layout_kv PA_*), read in place. ``rotated``: the
+    drop-in's epilogue (see :class:`RotatedOutput`), out then in its dtype where it applies."""
     device = q.device
+    rotate_c = 0.0
+    out_dtype = torch.bfloat16
+    if rotated is not None and plan.head_dim == ROTATION_DIM and rotated.dtype in ROTATED_DTYPES:
+        rotate_c, out_dtype, rotated.applied = float(rotated.c), rotated.dtype, True
     # Contiguous whatever q's strides (plan.out_strides are the contiguous out's). Left unfilled:
     # the kernel sets rows no batch owns to 0 / +inf on the calling thread (``fill``), since a
     # torch fill here would leave torch's OpenMP worker spinning on the core the kernel needs.
-    out = torch.empty_like(q, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
     if plan.return_lse:
         lse = torch.empty(lse_shape(q.shape, plan.layout), dtype=torch.float32, device=device)
         lse_strides = plan.lse_strides if lse.numel() else (0, 0, 0)  # the contiguous lse's, as planned
@@ -371,7 +399,8 @@ def forward(
         lse = torch.empty(0, dtype=torch.float32, device=device)
         lse_strides = (0, 0, 0)
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
-         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available, block_table, None, fill=True)
+         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available, block_table, None, fill=True,
+         rotate_c=rotate_c)
     return out, lse
 
 
@@ -409,7 +438,8 @@ _NO_SCALE = torch.empty(0)
 
 def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
          lse_strides, split_rows: int, chunk_blocks: int, tile_rows: int, device: torch.device,
-         known_available: bool, block_table: torch.Tensor | None, bf16: bool | None, *, fill: bool) -> None:
+         known_available: bool, block_table: torch.Tensor | None, bf16: bool | None, *, fill: bool,
+         rotate_c: float = 0.0) -> None:
     """``run_into`` with out's normalised strides and lse's (batch, head, position) strides given;
     ``fill``: out and lse are fresh and contiguous, set to 0 / +inf before the kernel's rows."""
     if device.type != "cpu":
@@ -432,6 +462,7 @@ def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale.item(), _decode_table(),
         _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table,
         plan.block_size, bool(bf16), fill, 0, _NO_SCALE, _NO_SCALE, [], _NO_SCALE, [], _NO_SCALE, [], [], _NO_SCALE,
+        rotate_c,
     )
 
 
@@ -591,7 +622,7 @@ def forward_scaled(
         lse, lse_strides, plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_scalar, _e4m3_table(), _ROUND_CONSTS,
         tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table, plan.block_size,
-        bool(bf16_dot), True, *args,
+        bool(bf16_dot), True, *args, 0.0,
     )
     return out, lse
 
