@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -114,10 +114,9 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent.clamp(_MIN_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)).reshape(1).float()
 
 
-def _pow2_of(exponent: int, device: torch.device) -> torch.Tensor:
-    """:func:`_pow2` of a Python int: 2^exponent, clamped alike, as an fp32 (1,) tensor."""
-    e = min(max(exponent, _MIN_SCALE_EXPONENT), _MAX_SCALE_EXPONENT)
-    return torch.tensor([math.ldexp(1.0, e)], dtype=torch.float32, device=device)
+def _pow2_value(exponent: int) -> float:
+    """:func:`_pow2` of a Python int: 2^exponent, clamped alike (an fp32 value)."""
+    return math.ldexp(1.0, min(max(exponent, _MIN_SCALE_EXPONENT), _MAX_SCALE_EXPONENT))
 
 
 def _rms_exponent(flat: torch.Tensor) -> torch.Tensor:
@@ -188,16 +187,28 @@ class Reduction:
     (NaN or Inf values must give non-finite statistics, so the finish can refuse them after the
     combination, on every rank alike); ``ops[i]`` (``"max"`` or ``"sum"``) combines entry ``i``
     of two sets of statistics; ``finish(stats, name)`` turns combined statistics into the fp32
-    (1,) scale, raising ValueError naming ``name`` when they are not finite.
+    (1,) scale, raising ValueError naming ``name`` when they are not finite. ``finish_value``,
+    optional, is the same finish on the statistics as Python floats, returning the scale's value
+    (a float whose fp32 rounding is the scale): the native preparation calls it where given,
+    which spares the tensor ops (see :func:`finish_in_floats`).
     """
 
     ops: tuple[str, ...]
     statistics: Callable[[torch.Tensor], torch.Tensor]
     finish: Callable[[torch.Tensor, str], torch.Tensor]
+    finish_value: Optional[Callable[[Sequence[float], str], float]] = None
 
     def merge(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Two sets of statistics combined by :attr:`ops` (what batches in an observer need)."""
         return torch.stack([torch.maximum(x, y) if op == "max" else x + y for x, y, op in zip(a, b, self.ops)])
+
+
+def finish_in_floats(value: Callable[[Sequence[float], str], float]) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """A Reduction's tensor ``finish`` from its float one: the statistics read as Python floats,
+    the value rounded to the fp32 (1,) scale on their device (one definition serves both)."""
+    def finish(stats: torch.Tensor, name: str = "x") -> torch.Tensor:
+        return torch.tensor([value(stats.tolist(), name)], dtype=torch.float32, device=stats.device)
+    return finish
 
 
 def _nonfinite_error(name: str) -> ValueError:
@@ -212,14 +223,15 @@ def _amax_statistics(flat: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), amax, math.inf).double().reshape(1)
 
 
-def _amax_finish(stats: torch.Tensor, name: str = "x") -> torch.Tensor:
-    (amax,) = stats.tolist()
+def _amax_finish(stats: Sequence[float], name: str = "x") -> float:
+    (amax,) = stats
     if not math.isfinite(amax):
         raise _nonfinite_error(name)
     if amax == 0:
-        return torch.ones(1, dtype=torch.float32, device=stats.device)
+        return 1.0
     # a power-of-two division: exact in float64, and the fp32 amax's quotient is an fp32 value
-    return torch.tensor([amax / fmt.MAX], dtype=torch.float32, device=stats.device)
+    # (or, below fp32's range, one that the scale's fp32 tensor rounds, as the tensor rule does)
+    return amax / fmt.MAX
 
 
 def _rms_statistics(flat: torch.Tensor) -> torch.Tensor:
@@ -229,20 +241,20 @@ def _rms_statistics(flat: torch.Tensor) -> torch.Tensor:
     return torch.stack([sumsq, sumsq.new_tensor(float(flat.numel()))])
 
 
-def _rms_finish(stats: torch.Tensor, name: str = "x") -> torch.Tensor:
+def _rms_finish(stats: Sequence[float], name: str = "x") -> float:
     # In Python floats: the tensor rule's float64 steps (IEEE division and square root, log2,
     # round half to even), without the dozen tensor ops that cost 67 us per tensor in the
     # drop-in's preparation (a fifth of it at S = 1024 on the Zen 4 EPYC).
-    sumsq, count = stats.tolist()
+    sumsq, count = stats
     if not math.isfinite(sumsq):
         raise _nonfinite_error(name)
     if sumsq == 0:  # a float64 square of a nonzero fp32 value is never 0: all values are 0
-        return torch.ones(1, dtype=torch.float32, device=stats.device)
-    return _pow2_of(round(math.log2(math.sqrt(sumsq / count))), stats.device)
+        return 1.0
+    return _pow2_value(round(math.log2(math.sqrt(sumsq / count))))
 
 
-AMAX_REDUCTION = Reduction(("max",), _amax_statistics, _amax_finish)
-RMS_REDUCTION = Reduction(("sum", "sum"), _rms_statistics, _rms_finish)
+AMAX_REDUCTION = Reduction(("max",), _amax_statistics, finish_in_floats(_amax_finish), _amax_finish)
+RMS_REDUCTION = Reduction(("sum", "sum"), _rms_statistics, finish_in_floats(_rms_finish), _rms_finish)
 
 #: name -> rule. Add your own with :func:`register_rule`.
 RULES: dict[str, Rule] = {"amax": amax_scale, "rms": rms_scale, "mse": mse_scale}

@@ -36,12 +36,13 @@ log2(rms) ties a half-integer to within float64 rounding (as between tensor-para
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from qfa.dropin import calibration as cal
-from qfa.attention.backends import cpu_prepare
+from qfa.attention.backends import cpu_kernel, cpu_prepare
 from qfa.dropin import rotation
 from qfa.dropin.call import DropinCall
 from qfa.cast import format as fmt
@@ -105,10 +106,20 @@ def fused_reduction(calibration: cal.RuleLike | None) -> Optional[cal.Reduction]
     return reduction if reduction is cal.RMS_REDUCTION or reduction is cal.AMAX_REDUCTION else None
 
 
-def _finish(reduction: cal.Reduction, sumsq: float, amax: float, count: int, name: str) -> torch.Tensor:
-    stats = [sumsq, float(count)] if reduction is cal.RMS_REDUCTION else [amax]
-    scale = reduction.finish(torch.tensor(stats, dtype=torch.float64), name)
-    return cal.check_scale(scale, f"{name} scale from calibration rule")
+def _finish(reduction: cal.Reduction, sumsq: float, amax: float, count: int, name: str) -> tuple[torch.Tensor, float]:
+    """The computed scale (fp32 (1,)) and its value. In Python floats, one torch op: the torch ops
+    of the tensor finish and of check_scale were a third of this module's host time, and a
+    cache-cold call (after SDPA's, in a model) takes many times its warm time for each."""
+    stats = (sumsq, float(count)) if reduction is cal.RMS_REDUCTION else (amax,)
+    if reduction.finish_value is None:  # pass 1 computes only the built-in reductions, which have it
+        scale = cal.check_scale(reduction.finish(torch.tensor(stats, dtype=torch.float64), name),
+                                f"{name} scale from calibration rule")
+        return scale, float(scale)
+    value = cpu_kernel.round_fp32(reduction.finish_value(stats, name))
+    scale = torch.full((1,), value, dtype=torch.float32)
+    if not 0 < value < math.inf:  # what check_scale refuses: it raises, naming it
+        cal.check_scale(scale, f"{name} scale from calibration rule")
+    return scale, value
 
 
 def key_means(k: torch.Tensor, layout: str, segs: Sequence[int]) -> torch.Tensor:
@@ -167,20 +178,21 @@ def encode_tensors(items: Sequence[Rows], layout: str, *, rotate: bool, reductio
     # The scales in the items' order, as the materialised path takes them: the first bad one is
     # the error raised (a static scale's check, a computed one's finish), or a NaN / Inf met
     # first returns None so that path names its tensor.
-    scales = list(it.scale for it in items)
+    scales, values = list(it.scale for it in items), [0.0] * len(items)
     stats_at = {i: j for j, i in enumerate(stats_of)}
     for i, it in enumerate(items):
         if i not in stats_at:
             scales[i] = it.scale if it.check is None else it.check(it.scale)
+            values[i] = float(scales[i])
             continue
         sumsq, amax, nonfinite = found[stats_at[i]]
         if nonfinite:
             return None
-        scales[i] = _finish(reduction, sumsq, amax, sum(it.segs[2::4]) * rows[i][2] * HEAD_DIM, it.name)
+        scales[i], values[i] = _finish(reduction, sumsq, amax, sum(it.segs[2::4]) * rows[i][2] * HEAD_DIM, it.name)
     codes = [torch.empty(x.shape, dtype=torch.uint8) for x, _, _, _ in rows]
     saturated = cpu_prepare.encode_many(
-        [cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu, False, out, row_strides(out, layout)[0], float(scale))
-         for (x, strides, heads, mu), it, out, scale in zip(rows, items, codes, scales)], ROTATION_C)
+        [cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu, False, out, row_strides(out, layout)[0], value)
+         for (x, strides, heads, mu), it, out, value in zip(rows, items, codes, values)], ROTATION_C)
     return [(out, scale, mu, sat) for out, scale, (_, _, _, mu), sat in zip(codes, scales, rows, saturated)]
 
 
