@@ -158,42 +158,43 @@ def encode_tensors(items: Sequence[Rows], layout: str, *, rotate: bool, reductio
     A computed scale comes from ``reduction`` over the valid rows. None when a value that a
     computed scale would read is NaN or Inf: the caller's materialised path then raises the error
     naming it. Each tensor's results are those of its passes alone."""
-    rows, stats, stats_of = [], [], []
-    for i, it in enumerate(items):
+    passes, mus, codes = [], [], []
+    for it in items:
         x = _rows(it.x)
         strides, heads = row_strides(x, layout)
-        mu = it.mean
-        if it.scale is None:
-            compute = it.smooth and mu is None
-            if compute:
-                mu = torch.empty(len(it.segs) // 4, heads, HEAD_DIM, dtype=torch.float32)
-            stats.append(cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu if it.smooth else None, compute))
-            stats_of.append(i)
-        elif it.smooth and mu is None:
-            mu = key_means(x, layout, it.segs)
-        rows.append((x, strides, heads, mu if it.smooth else None))
-    # K computing its means runs in whole-slab chunks: first, so that none is left for the region's end
-    order = sorted(range(len(stats)), key=lambda j: not stats[j].compute_mean)
-    found = dict(zip(order, cpu_prepare.stats_many([stats[j] for j in order], ROTATION_C)))
+        mu, compute = it.mean, False
+        if it.smooth and mu is None:
+            if it.scale is None:  # pass 1 computes the means first
+                mu, compute = torch.empty(len(it.segs) // 4, heads, HEAD_DIM, dtype=torch.float32), True
+            else:
+                mu = key_means(x, layout, it.segs)
+        mu = mu if it.smooth else None
+        out = torch.empty(x.shape, dtype=torch.uint8)
+        passes.append(cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu, compute, out,
+                                          row_strides(out, layout)[0]))
+        mus.append(mu)
+        codes.append(out)
+    # Pass 1 takes the computed scales' tensors, K computing its means first (whole-slab chunks,
+    # so that none is left for the region's end); pass 2 all of them in the same order.
+    order = sorted(range(len(items)), key=lambda i: (items[i].scale is not None, not passes[i].compute_mean))
+    native = cpu_prepare.Passes([passes[i] for i in order])
+    computed = [i for i in order if items[i].scale is None]
+    found = dict(zip(computed, native.stats(len(computed), ROTATION_C)))
     # The scales in the items' order, as the materialised path takes them: the first bad one is
     # the error raised (a static scale's check, a computed one's finish), or a NaN / Inf met
     # first returns None so that path names its tensor.
     scales, values = list(it.scale for it in items), [0.0] * len(items)
-    stats_at = {i: j for j, i in enumerate(stats_of)}
     for i, it in enumerate(items):
-        if i not in stats_at:
+        if i not in found:
             scales[i] = it.scale if it.check is None else it.check(it.scale)
             values[i] = float(scales[i])
             continue
-        sumsq, amax, nonfinite = found[stats_at[i]]
+        sumsq, amax, nonfinite = found[i]
         if nonfinite:
             return None
-        scales[i], values[i] = _finish(reduction, sumsq, amax, sum(it.segs[2::4]) * rows[i][2] * HEAD_DIM, it.name)
-    codes = [torch.empty(x.shape, dtype=torch.uint8) for x, _, _, _ in rows]
-    saturated = cpu_prepare.encode_many(
-        [cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu, False, out, row_strides(out, layout)[0], value)
-         for (x, strides, heads, mu), it, out, value in zip(rows, items, codes, values)], ROTATION_C)
-    return [(out, scale, mu, sat) for out, scale, (_, _, _, mu), sat in zip(codes, scales, rows, saturated)]
+        scales[i], values[i] = _finish(reduction, sumsq, amax, sum(it.segs[2::4]) * passes[i].heads * HEAD_DIM, it.name)
+    saturated = dict(zip(order, native.encode([values[i] for i in order], ROTATION_C)))
+    return [(codes[i], scales[i], mus[i], saturated[i]) for i in range(len(items))]
 
 
 def encode_rows(x: torch.Tensor, layout: str, segs: Sequence[int], *, rotate: bool, scale: Optional[torch.Tensor],

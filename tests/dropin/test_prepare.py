@@ -420,6 +420,41 @@ def test_batched_passes_give_each_tensor_its_own_results(team):
         assert torch.equal(a, b)
 
 
+def test_one_array_for_both_passes_gives_the_per_pass_results():
+    """cpu_prepare.Passes (the drop-in's: the array built and checked once) against stats_many
+    then encode_many: pass 1 over a prefix (K computing its means first), pass 2 over all, the
+    means pass 1 wrote read back by pass 2; and its argument errors."""
+    c = rotation.normalisation(D)
+    k = randn(300, 2, D, seed=31, scale=2.0, dtype=torch.bfloat16)
+    q = randn(300, 4, D, seed=32)
+    v = randn(300, 2, D, seed=33, dtype=torch.float16)
+    tensors = [(k, [0, 0, 280, 300], True), (q, [0, 0, 300, 300], False), (v, [0, 0, 300, 300], False)]
+    plans = [(x, *prepare.row_strides(x, "TND"), segs, smooth) for x, segs, smooth in tensors]
+
+    def rows(means, outs, scales=(1.0, 1.0, 1.0), compute=True):
+        return [cpu_prepare.RowPass(x, st, segs, n, True, mu, compute and smooth, out,
+                                    prepare.row_strides(out, "TND")[0], s)
+                for (x, st, n, segs, smooth), mu, out, s in zip(plans, means, outs, scales)]
+
+    fresh = lambda: ([torch.empty(1, 2, D), None, None], [torch.empty(x.shape, dtype=torch.uint8) for x, _, _ in tensors])  # noqa: E731
+    (mu_a, out_a), (mu_b, out_b) = fresh(), fresh()
+    want_stats = cpu_prepare.stats_many(rows(mu_a, out_a)[:2], c)  # k (computing its means), q; v's scale given
+    scales = (0.5, 0.25, 1e-5)
+    want_sat = cpu_prepare.encode_many(rows(mu_a, out_a, scales, compute=False), c)
+    native = cpu_prepare.Passes(rows(mu_b, out_b))
+    got_stats = native.stats(2, c)
+    got_sat = native.encode(scales, c)
+    assert got_stats == want_stats and got_sat == want_sat and got_sat[2] > 0
+    assert torch.equal(mu_a[0], mu_b[0])
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    with pytest.raises(ValueError, match=r"count must be in \[0, 3\], got 4"):
+        native.stats(4, c)
+    with pytest.raises(ValueError, match=r"scales must hold one value per tensor \(3\), got 2"):
+        native.encode((1.0, 1.0), c)
+    with pytest.raises(ValueError, match="out must be uint8"):
+        cpu_prepare.Passes([rows(*fresh())[0]._replace(out=None)])
+
+
 def test_pass_one_statistics_are_the_rules_statistics():
     """amax exactly that of the materialised tensor; the float64 sum of squares within float64
     rounding of the exact sum (math.fsum) over the same values."""

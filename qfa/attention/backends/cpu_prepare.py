@@ -275,7 +275,7 @@ def _check_rows(x: torch.Tensor, strides, segments, heads: int, name: str = "x")
     if len(strides) != 3 or len(segments) % 4:
         raise ValueError(f"a row plan needs 3 strides and quadruples of segments, got {len(strides)} and "
                          f"{len(segments)} values")
-    if any(s < 0 for s in strides) or heads < 0 or any(v < 0 for v in segments):
+    if min(strides) < 0 or heads < 0 or (segments and min(segments) < 0):
         raise ValueError(f"a row plan's strides, heads and segments must be >= 0, got {strides}, {heads}, {segments}")
     if x.stride(-1) != 1 and x.numel():
         raise ValueError(f"{name}'s rows must be contiguous (last stride 1), got strides {x.stride()}")
@@ -427,6 +427,38 @@ def encode_many(passes: Sequence[RowPass], c: float, isa: int | None = None) -> 
     sat = (ctypes.c_int64 * len(passes))()
     _checked(module().qfa_prep_encode(len(passes), arr, c, torch.get_num_threads(), _isa(isa), sat), "encode_rows")
     return list(sat)
+
+
+class Passes:
+    """Pass 1 and pass 2 of several tensors over one array of the source's PrepTensor, built and
+    checked once (half the host work of :func:`stats_many` then :func:`encode_many`, which build
+    it per pass): :meth:`stats` runs pass 1 over the first ``count`` of them, :meth:`encode` pass
+    2 over all, each one parallel region. Every pass needs its ``out``; a pass whose
+    ``compute_mean`` is set writes its means in pass 1 and reads them in pass 2. The tensors
+    must stay alive and unchanged between the two."""
+
+    def __init__(self, passes: Sequence[RowPass]):
+        self._arr, self._alive = _structs(passes, encode=True)
+        self.n = len(passes)
+
+    def stats(self, count: int, c: float, isa: int | None = None) -> list[tuple[float, float, bool]]:
+        """Pass 1 of the first ``count`` tensors: as :func:`stats_many`."""
+        if not 0 <= count <= self.n:
+            raise ValueError(f"count must be in [0, {self.n}], got {count}")
+        result = (ctypes.c_double * (3 * count))()
+        if count:
+            _checked(module().qfa_prep_stats(count, self._arr, c, torch.get_num_threads(), _isa(isa), result), "stats")
+        return [(result[3 * i], result[3 * i + 1], result[3 * i + 2] != 0.0) for i in range(count)]
+
+    def encode(self, scales: Sequence[float], c: float, isa: int | None = None) -> list[int]:
+        """Pass 2 of every tensor with ``scales`` (one per tensor): as :func:`encode_many`."""
+        if len(scales) != self.n:
+            raise ValueError(f"scales must hold one value per tensor ({self.n}), got {len(scales)}")
+        for t, s in zip(self._arr, scales):
+            t.scale, t.compute_mean = float(s), 0  # pass 1 wrote the means; pass 2 reads them
+        sat = (ctypes.c_int64 * self.n)()
+        _checked(module().qfa_prep_encode(self.n, self._arr, c, torch.get_num_threads(), _isa(isa), sat), "encode_rows")
+        return list(sat)
 
 
 def encode_rows(x: torch.Tensor, strides, out: torch.Tensor, out_strides, segments, heads: int, rotate: bool, c: float,
