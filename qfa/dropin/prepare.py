@@ -18,8 +18,10 @@ about 13 % against a region per tensor and sweep, and changed nothing measurable
 2. the codes of every row, rotated and divided in registers (and, for :func:`encode_tokens`,
    the count of saturated values).
 
-After the op, :func:`restore_output` rotates the output back and casts it to the caller's dtype in
-one more sweep. The alternative, one TorchInductor graph for the chain, was measured: its first
+After the op, the output is rotated back and cast to the caller's dtype: by the native attention
+kernel as it writes each row, where it runs (:class:`qfa.attention.backends.cpu_kernel.RotatedOutput`),
+else by :func:`restore_output` in one more sweep (the same code, ``csrc/row_rotation.h``, the
+same bits). The alternative, one TorchInductor graph for the chain, was measured: its first
 call in a fresh process compiled for 19 s with a cold cache (5 s warm), it fuses the rotation
 only as a GEMM, and its 10-odd kernels each open a parallel region; the native passes build once
 in about a second and open none (see docs/benchmarks.md).
