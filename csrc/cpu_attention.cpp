@@ -76,7 +76,7 @@ void qfa_kernel::forward(const ForwardArgs& a) {
   c.out = a.out_bf16;
   c.out_f32 = a.out_f32;
   if (a.rotate_c != 0) {
-    QFA_CHECK(a.out_rotated && dim == qfa_rows::kD && a.out_strides[3] == 1 && a.rotated_dtype >= qfa_rows::F32 &&
+    QFA_CHECK(dim == qfa_rows::kD && a.out_strides[3] == 1 && a.rotated_dtype >= qfa_rows::F32 &&
                   a.rotated_dtype <= qfa_rows::F16,
               "the rotated output needs head_dim ", qfa_rows::kD, ", rows contiguous along it and a float dtype");
     c.out_rot = a.out_rotated;

@@ -26,6 +26,7 @@
 #endif
 
 namespace qfa_rows {
+namespace {  // internal linkage: each library (the kernel's per-ISA build, cpu_prepare) keeps its own copy
 
 constexpr int kD = 128;  // the row: a head vector of HiF8 mode 0 (its only head dim)
 
@@ -297,4 +298,5 @@ inline void rotate_row_built(const RowIn& in, void* out, int odt) {
 #endif
 }
 
+}  // namespace
 }  // namespace qfa_rows

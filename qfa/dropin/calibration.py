@@ -47,6 +47,7 @@ half-integer (a tie of the rounding), where the two can pick neighbouring powers
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -203,12 +204,15 @@ class Reduction:
         return torch.stack([torch.maximum(x, y) if op == "max" else x + y for x, y, op in zip(a, b, self.ops)])
 
 
+def _finish_tensor(value: Callable[[Sequence[float], str], float], stats: torch.Tensor, name: str = "x") -> torch.Tensor:
+    return torch.tensor([value(stats.tolist(), name)], dtype=torch.float32, device=stats.device)
+
+
 def finish_in_floats(value: Callable[[Sequence[float], str], float]) -> Callable[[torch.Tensor, str], torch.Tensor]:
     """A Reduction's tensor ``finish`` from its float one: the statistics read as Python floats,
-    the value rounded to the fp32 (1,) scale on their device (one definition serves both)."""
-    def finish(stats: torch.Tensor, name: str = "x") -> torch.Tensor:
-        return torch.tensor([value(stats.tolist(), name)], dtype=torch.float32, device=stats.device)
-    return finish
+    the value rounded to the fp32 (1,) scale on their device (one definition serves both; a
+    partial of module-level functions, so a Reduction pickles)."""
+    return functools.partial(_finish_tensor, value)
 
 
 def _nonfinite_error(name: str) -> ValueError:

@@ -245,3 +245,17 @@ def test_reduction_finishes_in_python_floats_give_the_tensor_ops_scales():
         cal.RMS_REDUCTION.finish(torch.tensor([math.inf, 4.0], dtype=torch.float64), "q")
     with pytest.raises(ValueError, match="k contains NaN or Inf"):
         cal.AMAX_REDUCTION.finish(torch.tensor([math.nan], dtype=torch.float64), "k")
+
+
+def test_reductions_and_observers_pickle():
+    """torch.save of a module calibrating holds its observers, and so their reductions."""
+    import pickle
+
+    for reduction in (cal.AMAX_REDUCTION, cal.RMS_REDUCTION):
+        back = pickle.loads(pickle.dumps(reduction))
+        stats = torch.tensor([3.0, 7.0][: len(reduction.ops)], dtype=torch.float64)
+        assert back.ops == reduction.ops and torch.equal(back.finish(stats, "x"), reduction.finish(stats, "x"))
+        assert back.finish_value(stats.tolist(), "x") == reduction.finish_value(stats.tolist(), "x")
+    obs = cal.ScaleObserver("rms")
+    obs.observe(torch.randn(1000, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(pickle.loads(pickle.dumps(obs)).scale(), obs.scale())

@@ -447,8 +447,13 @@ def test_one_array_for_both_passes_gives_the_per_pass_results():
     assert got_stats == want_stats and got_sat == want_sat and got_sat[2] > 0
     assert torch.equal(mu_a[0], mu_b[0])
     assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
-    with pytest.raises(ValueError, match=r"count must be in \[0, 3\], got 4"):
+    with pytest.raises(ValueError, match=r"count must be in \[0, 3\] \(every pass computing its means included\), got 4"):
         native.stats(4, c)
+    again = cpu_prepare.Passes(rows(*fresh()))
+    with pytest.raises(ValueError, match=r"count must be in \[1, 3\] .*, got 0"):  # k computes its means
+        again.stats(0, c)
+    with pytest.raises(ValueError, match="pass 2 would read K means that pass 1 has not computed"):
+        again.encode(scales, c)
     with pytest.raises(ValueError, match=r"scales must hold one value per tensor \(3\), got 2"):
         native.encode((1.0, 1.0), c)
     with pytest.raises(ValueError, match="out must be uint8"):

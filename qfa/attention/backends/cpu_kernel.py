@@ -363,8 +363,9 @@ class RotatedOutput:
     """The HiF8 drop-in's epilogue, asked of :func:`forward`: ``out`` as ``H bf16(out)`` in
     ``dtype``, with H the normalised Hadamard rotation (``c`` its fp32 normalisation) and finite
     values beyond ``dtype``'s range saturated: bit for bit what
-    :func:`qfa.dropin.prepare.restore_output` makes of the op's bf16 out, written as the kernel
-    finishes each row instead of in a pass of its own over a bf16 copy. ``applied`` is set when
+    :func:`qfa.dropin.prepare.restore_output` makes of the op's bf16 out (a NaN as a NaN: its sign
+    follows the SIMD level, as between the preparation's levels), written as the kernel finishes
+    each row instead of in a pass of its own over a bf16 copy. ``applied`` is set when
     a run did so (head dim 128 and one of :data:`ROTATED_DTYPES`; the op runs it only on this
     kernel with K/V not paged); otherwise out is the op's usual bf16 out."""
 
@@ -386,7 +387,8 @@ def forward(
     device = q.device
     rotate_c = 0.0
     out_dtype = torch.bfloat16
-    if rotated is not None and plan.head_dim == ROTATION_DIM and rotated.dtype in ROTATED_DTYPES:
+    # (an empty out has no rows to rotate: its bf16 form costs nothing, and its storage no pointer)
+    if rotated is not None and plan.head_dim == ROTATION_DIM and rotated.dtype in ROTATED_DTYPES and q.numel():
         rotate_c, out_dtype, rotated.applied = float(rotated.c), rotated.dtype, True
     # Contiguous whatever q's strides (plan.out_strides are the contiguous out's). Left unfilled:
     # the kernel sets rows no batch owns to 0 / +inf on the calling thread (``fill``), since a

@@ -275,7 +275,7 @@ def _check_rows(x: torch.Tensor, strides, segments, heads: int, name: str = "x")
     if len(strides) != 3 or len(segments) % 4:
         raise ValueError(f"a row plan needs 3 strides and quadruples of segments, got {len(strides)} and "
                          f"{len(segments)} values")
-    if min(strides) < 0 or heads < 0 or (segments and min(segments) < 0):
+    if min(strides) < 0 or heads < 0 or (len(segments) and min(segments) < 0):
         raise ValueError(f"a row plan's strides, heads and segments must be >= 0, got {strides}, {heads}, {segments}")
     if x.stride(-1) != 1 and x.numel():
         raise ValueError(f"{name}'s rows must be contiguous (last stride 1), got strides {x.stride()}")
@@ -440,20 +440,26 @@ class Passes:
     def __init__(self, passes: Sequence[RowPass]):
         self._arr, self._alive = _structs(passes, encode=True)
         self.n = len(passes)
+        # pass 1 must run over every pass that computes its means before pass 2 reads them
+        self._means_due = max((i + 1 for i, p in enumerate(passes) if p.compute_mean), default=0)
 
     def stats(self, count: int, c: float, isa: int | None = None) -> list[tuple[float, float, bool]]:
         """Pass 1 of the first ``count`` tensors: as :func:`stats_many`."""
-        if not 0 <= count <= self.n:
-            raise ValueError(f"count must be in [0, {self.n}], got {count}")
+        if not self._means_due <= count <= self.n:
+            raise ValueError(f"count must be in [{self._means_due}, {self.n}] (every pass computing its means "
+                             f"included), got {count}")
         result = (ctypes.c_double * (3 * count))()
         if count:
             _checked(module().qfa_prep_stats(count, self._arr, c, torch.get_num_threads(), _isa(isa), result), "stats")
+        self._means_due = 0
         return [(result[3 * i], result[3 * i + 1], result[3 * i + 2] != 0.0) for i in range(count)]
 
     def encode(self, scales: Sequence[float], c: float, isa: int | None = None) -> list[int]:
         """Pass 2 of every tensor with ``scales`` (one per tensor): as :func:`encode_many`."""
         if len(scales) != self.n:
             raise ValueError(f"scales must hold one value per tensor ({self.n}), got {len(scales)}")
+        if self._means_due:
+            raise ValueError("pass 2 would read K means that pass 1 has not computed: call stats first")
         for t, s in zip(self._arr, scales):
             t.scale, t.compute_mean = float(s), 0  # pass 1 wrote the means; pass 2 reads them
         sat = (ctypes.c_int64 * self.n)()
