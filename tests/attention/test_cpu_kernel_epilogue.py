@@ -157,3 +157,16 @@ def test_the_drop_in_on_no_query_rows(layout, empty_q):
     k = torch.randn(kv_shape).bfloat16()
     out = qfa.hif8_attention(q, k, k.clone(), layout=layout)
     assert out.shape == q.shape and out.dtype == q.dtype
+
+
+def test_a_run_that_raises_leaves_the_request_unapplied(monkeypatch):
+    plan, args = make(nq=2, nkv=1, q_lens=(5,), kv_lens=(20,))
+    epilogue = cpu_kernel.RotatedOutput(torch.float32, C)
+
+    def broken(*a, **kw):
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(cpu_kernel, "_run", broken)
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        cpu_kernel.forward(plan, *args, rotated=epilogue)
+    assert not epilogue.applied

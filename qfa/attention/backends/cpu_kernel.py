@@ -389,7 +389,7 @@ def forward(
     out_dtype = torch.bfloat16
     # (an empty out has no rows to rotate: its bf16 form costs nothing, and its storage no pointer)
     if rotated is not None and plan.head_dim == ROTATION_DIM and rotated.dtype in ROTATED_DTYPES and q.numel():
-        rotate_c, out_dtype, rotated.applied = float(rotated.c), rotated.dtype, True
+        rotate_c, out_dtype = float(rotated.c), rotated.dtype
     # Contiguous whatever q's strides (plan.out_strides are the contiguous out's). Left unfilled:
     # the kernel sets rows no batch owns to 0 / +inf on the calling thread (``fill``), since a
     # torch fill here would leave torch's OpenMP worker spinning on the core the kernel needs.
@@ -403,6 +403,8 @@ def forward(
     _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
          SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available, block_table, None, fill=True,
          rotate_c=rotate_c)
+    if rotate_c:  # said once the run has written it (a run that raises leaves the request as it was)
+        rotated.applied = True
     return out, lse
 
 
