@@ -128,8 +128,8 @@ inline int64_t columns(const Call& c, const Item& it, int64_t j0, int64_t nk) {
 // ---- few-row blocks (decode): fused decode + dot products ----------------------------------------
 // With a handful of rows (new tokens x the GQA group), a GEMM call per block is mostly overhead
 // and the decode of K and V dominates. These kernels decode 8 keys at a time into an L1 buffer
-// and run the dot products from there, in a fixed order (lanes of 8 dims, then a fixed add
-// tree; keys in ascending order for P @ V). Whether a block takes this path depends only on
+// and run the dot products from there, in a fixed order (lanes of 8 dims, or 16 folded to 8 in
+// the AVX-512 builds, then a fixed add tree; keys in ascending order for P @ V). Whether a block takes this path depends only on
 // the item's shape, so the bits never depend on the thread count.
 constexpr int64_t kFusedRows = 16;
 constexpr int64_t kGroup = 8;  // keys per decoded group
@@ -152,13 +152,46 @@ inline const float* key_rows(const Call& c, const Item& it, const KvSrc& src, co
 }
 
 #ifdef QFA_SIMD
-// A load the compiler keeps in a register: where one value feeds two FMAs, GCC otherwise folds
-// the load into both (two loads per value), and the few-row loops become load-bound.
-inline __m256 load_once(const float* p) {
-  __m256 v = _mm256_loadu_ps(p);
-  asm("" : "+x"(v));
-  return v;
-}
+// The few-row kernels' registers: 8 lanes (AVX2), or 16 in the AVX-512 builds, whose 8-lane
+// form left half of these CPUs' vector width unused. A dot product's lanes are folded to 8 (lane
+// i plus lane i + 8) before the add tree; P V's chains over the keys do not depend on the width.
+struct Lanes8 {
+  using T = __m256;
+  static constexpr int64_t n = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  // A load the compiler keeps in a register: where one value feeds two FMAs, GCC otherwise folds
+  // the load into both (two loads per value), and the few-row loops become load-bound.
+  static T load_once(const float* p) {
+    T v = _mm256_loadu_ps(p);
+    asm("" : "+x"(v));
+    return v;
+  }
+  static T set1(float f) { return _mm256_set1_ps(f); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static __m256 fold(T a) { return a; }
+};
+#ifdef QFA_WIDE
+struct Lanes16 {
+  using T = __m512;
+  static constexpr int64_t n = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load_once(const float* p) {
+    T v = _mm512_loadu_ps(p);
+    asm("" : "+v"(v));
+    return v;
+  }
+  static T set1(float f) { return _mm512_set1_ps(f); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static __m256 fold(T a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+};
+using FusedLanes = Lanes16;
+#else
+using FusedLanes = Lanes8;
+#endif
 
 // [sum(a0), ..., sum(a7)]
 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
@@ -168,8 +201,10 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 }
 
 // S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0 (K pre-decoded or codes).
+template <typename L = FusedLanes>
 void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int64_t lo, int64_t R, int64_t nc,
               Scratch& sc, float* dst) {
+  using T = typename L::T;
   constexpr int64_t D = kFusedDim;
   const int64_t BN = c.block_n;
   float* buf = sc.k.get();
@@ -188,20 +223,21 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
       const float* q1 = q0 + D;
       for (int64_t h = 0; h < kGroup; h += 4) {
         const float* k = kr + h * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        for (int64_t x = 0; x < D; x += 8) {
-          const __m256 u = _mm256_loadu_ps(q0 + x), w = _mm256_loadu_ps(q1 + x);
-          __m256 kv = load_once(k + x);
-          a0 = _mm256_fmadd_ps(u, kv, a0); b0 = _mm256_fmadd_ps(w, kv, b0);
-          kv = load_once(k + D + x);
-          a1 = _mm256_fmadd_ps(u, kv, a1); b1 = _mm256_fmadd_ps(w, kv, b1);
-          kv = load_once(k + 2 * D + x);
-          a2 = _mm256_fmadd_ps(u, kv, a2); b2 = _mm256_fmadd_ps(w, kv, b2);
-          kv = load_once(k + 3 * D + x);
-          a3 = _mm256_fmadd_ps(u, kv, a3); b3 = _mm256_fmadd_ps(w, kv, b3);
+        T a0 = L::zero(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t x = 0; x < D; x += L::n) {
+          const T u = L::load(q0 + x), w = L::load(q1 + x);
+          T kv = L::load_once(k + x);
+          a0 = L::fma(u, kv, a0); b0 = L::fma(w, kv, b0);
+          kv = L::load_once(k + D + x);
+          a1 = L::fma(u, kv, a1); b1 = L::fma(w, kv, b1);
+          kv = L::load_once(k + 2 * D + x);
+          a2 = L::fma(u, kv, a2); b2 = L::fma(w, kv, b2);
+          kv = L::load_once(k + 3 * D + x);
+          a3 = L::fma(u, kv, a3); b3 = L::fma(w, kv, b3);
         }
         alignas(32) float s[8];
-        _mm256_store_ps(s, hsum8(a0, a1, a2, a3, b0, b1, b2, b3));
+        _mm256_store_ps(s, hsum8(L::fold(a0), L::fold(a1), L::fold(a2), L::fold(a3), L::fold(b0), L::fold(b1),
+                                 L::fold(b2), L::fold(b3)));
         const int64_t m = std::min<int64_t>(4, n - h);
         for (int64_t j = 0; j < m; ++j) {
           dst[(r - lo) * BN + g0 + h + j] = s[j];
@@ -211,20 +247,21 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
     }
     for (; r < R; ++r) {
       const float* q = sc.q.get() + r * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-      for (int64_t x = 0; x < D; x += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + x);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + x), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + D + x), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 2 * D + x), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 3 * D + x), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 4 * D + x), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 5 * D + x), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 6 * D + x), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 7 * D + x), a7);
+      T a0 = L::zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t x = 0; x < D; x += L::n) {
+        const T qv = L::load(q + x);
+        a0 = L::fma(qv, L::load(kr + x), a0);
+        a1 = L::fma(qv, L::load(kr + D + x), a1);
+        a2 = L::fma(qv, L::load(kr + 2 * D + x), a2);
+        a3 = L::fma(qv, L::load(kr + 3 * D + x), a3);
+        a4 = L::fma(qv, L::load(kr + 4 * D + x), a4);
+        a5 = L::fma(qv, L::load(kr + 5 * D + x), a5);
+        a6 = L::fma(qv, L::load(kr + 6 * D + x), a6);
+        a7 = L::fma(qv, L::load(kr + 7 * D + x), a7);
       }
       alignas(32) float s[8];
-      _mm256_store_ps(s, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+      _mm256_store_ps(s, hsum8(L::fold(a0), L::fold(a1), L::fold(a2), L::fold(a3), L::fold(a4), L::fold(a5),
+                               L::fold(a6), L::fold(a7)));
       std::memcpy(dst + (r - lo) * BN + g0, s, sizeof(float) * n);
     }
   }
@@ -350,8 +387,10 @@ inline int64_t first_row(const Call& c, const Item& it, int64_t j0) {
 #ifdef QFA_SIMD
 // pv = P V for rows [lo, R) of the block at j0 (nk keys): row r sums its visible keys alone, in
 // ascending order, so a non-finite value reaches only the rows that see its key.
+template <typename L = FusedLanes>
 void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int64_t nk, int64_t lo, int64_t R,
               const float* p, Scratch& sc, float* pv) {
+  using T = typename L::T;
   constexpr int64_t D = kFusedDim;
   const int64_t BN = c.block_n;
   std::memset(pv, 0, sizeof(float) * (R - lo) * D);
@@ -369,8 +408,8 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
   for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
     const int64_t n = std::min(kGroup, vis_max - g0);
     const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf, sc.vmemo);
-    // Two rows x 32 dims per pass (6 loads per 8 FMAs); each element is its row's chain over
-    // the keys in ascending order, whichever pass computes it.
+    // Two rows x four registers of dims per pass (6 loads per 8 FMAs); each element is its row's
+    // chain over the keys in ascending order, whichever pass computes it.
     int64_t r = lo;
     for (; r < R; r += 2) {
       const bool pair = r + 1 < R;
@@ -381,44 +420,44 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
       const float* p1 = p0 + BN;
       float* o0 = pv + (r - lo) * D;
       float* o1 = o0 + D;
-      for (int64_t x = 0; x < D; x += 32) {
-        __m256 a0 = _mm256_loadu_ps(o0 + x), a1 = _mm256_loadu_ps(o0 + x + 8), a2 = _mm256_loadu_ps(o0 + x + 16),
-               a3 = _mm256_loadu_ps(o0 + x + 24);
-        __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+      for (int64_t x = 0; x < D; x += 4 * L::n) {
+        T a0 = L::load(o0 + x), a1 = L::load(o0 + x + L::n), a2 = L::load(o0 + x + 2 * L::n),
+          a3 = L::load(o0 + x + 3 * L::n);
+        T b0 = L::zero(), b1 = b0, b2 = b0, b3 = b0;
         if (pair) {
-          b0 = _mm256_loadu_ps(o1 + x); b1 = _mm256_loadu_ps(o1 + x + 8); b2 = _mm256_loadu_ps(o1 + x + 16);
-          b3 = _mm256_loadu_ps(o1 + x + 24);
+          b0 = L::load(o1 + x); b1 = L::load(o1 + x + L::n); b2 = L::load(o1 + x + 2 * L::n);
+          b3 = L::load(o1 + x + 3 * L::n);
         }
         int64_t j = 0;
         for (; j < both; ++j) {
-          const __m256 u = _mm256_broadcast_ss(p0 + j), w = _mm256_broadcast_ss(p1 + j);
+          const T u = L::set1(p0[j]), w = L::set1(p1[j]);
           const float* v = vr + j * D + x;
-          __m256 vv = load_once(v);
-          a0 = _mm256_fmadd_ps(u, vv, a0); b0 = _mm256_fmadd_ps(w, vv, b0);
-          vv = load_once(v + 8);
-          a1 = _mm256_fmadd_ps(u, vv, a1); b1 = _mm256_fmadd_ps(w, vv, b1);
-          vv = load_once(v + 16);
-          a2 = _mm256_fmadd_ps(u, vv, a2); b2 = _mm256_fmadd_ps(w, vv, b2);
-          vv = load_once(v + 24);
-          a3 = _mm256_fmadd_ps(u, vv, a3); b3 = _mm256_fmadd_ps(w, vv, b3);
+          T vv = L::load_once(v);
+          a0 = L::fma(u, vv, a0); b0 = L::fma(w, vv, b0);
+          vv = L::load_once(v + L::n);
+          a1 = L::fma(u, vv, a1); b1 = L::fma(w, vv, b1);
+          vv = L::load_once(v + 2 * L::n);
+          a2 = L::fma(u, vv, a2); b2 = L::fma(w, vv, b2);
+          vv = L::load_once(v + 3 * L::n);
+          a3 = L::fma(u, vv, a3); b3 = L::fma(w, vv, b3);
         }
         for (int64_t jj = j; jj < n0; ++jj) {
-          const __m256 u = _mm256_broadcast_ss(p0 + jj);
+          const T u = L::set1(p0[jj]);
           const float* v = vr + jj * D + x;
-          a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v), a0); a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 8), a1);
-          a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 16), a2); a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(v + 24), a3);
+          a0 = L::fma(u, L::load(v), a0); a1 = L::fma(u, L::load(v + L::n), a1);
+          a2 = L::fma(u, L::load(v + 2 * L::n), a2); a3 = L::fma(u, L::load(v + 3 * L::n), a3);
         }
         for (int64_t jj = j; jj < n1; ++jj) {
-          const __m256 w = _mm256_broadcast_ss(p1 + jj);
+          const T w = L::set1(p1[jj]);
           const float* v = vr + jj * D + x;
-          b0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), b0); b1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), b1);
-          b2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), b2); b3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), b3);
+          b0 = L::fma(w, L::load(v), b0); b1 = L::fma(w, L::load(v + L::n), b1);
+          b2 = L::fma(w, L::load(v + 2 * L::n), b2); b3 = L::fma(w, L::load(v + 3 * L::n), b3);
         }
-        _mm256_storeu_ps(o0 + x, a0); _mm256_storeu_ps(o0 + x + 8, a1); _mm256_storeu_ps(o0 + x + 16, a2);
-        _mm256_storeu_ps(o0 + x + 24, a3);
+        L::store(o0 + x, a0); L::store(o0 + x + L::n, a1); L::store(o0 + x + 2 * L::n, a2);
+        L::store(o0 + x + 3 * L::n, a3);
         if (pair) {
-          _mm256_storeu_ps(o1 + x, b0); _mm256_storeu_ps(o1 + x + 8, b1); _mm256_storeu_ps(o1 + x + 16, b2);
-          _mm256_storeu_ps(o1 + x + 24, b3);
+          L::store(o1 + x, b0); L::store(o1 + x + L::n, b1); L::store(o1 + x + 2 * L::n, b2);
+          L::store(o1 + x + 3 * L::n, b3);
         }
       }
     }

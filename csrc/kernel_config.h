@@ -33,9 +33,16 @@
 #endif
 
 // The AVX2 and AVX-512 builds: the decoder's vpshufb rule, the fp32 register tiles and the
-// few-row fused kernels (8-lane code, which the AVX-512 builds run too).
+// few-row fused kernels (8-lane code, which the AVX-512 builds run too, except for ...)
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define QFA_SIMD 1
+#endif
+
+// ... the AVX-512 builds' own 16-lane parts: the decoder's table lookups (kv_decoder.h) and the
+// few-row kernels of decode (attention_walk.h), whose 8-lane forms left half of these CPUs'
+// vector width unused (the decode of K and V was about half of a Sq = 1 call).
+#if defined(CPU_CAPABILITY_AVX512)
+#define QFA_WIDE 1
 #endif
 
 namespace {

@@ -47,6 +47,16 @@ struct Decoder {
   __m256i xor_t, mul_t, base_t;  // X, M and B by H, repeated in both 128-bit lanes
   __m256i den_hi, den_lo;        // E4M3: the bf16 bytes of the subnormal magnitudes 0 .. 7
 #endif
+#ifdef QFA_WIDE
+  // AVX-512 builds: the table itself as 128 bf16 magnitude words in four registers, looked up 32
+  // codes at a time (two vpermt2w and a blend), so the values are the table's by construction
+  // (init_wide checks the sign bit and the low halves). Codes whose value is not finite are
+  // flagged from the looked-up word; exc is a code the lookup decodes finite where the table does
+  // not (HiF8's 0x80, NaN beside the sign-magnitude -0), flagged by comparison; -1 if none.
+  __m512i mag[4];
+  int exc = -1;
+  bool wide = false;
+#endif
 
   // Codes the affine rule leaves to the table.
   static bool special(int m) { return m == 0 || m == 0x6F; }
@@ -55,6 +65,9 @@ struct Decoder {
   void init(const float* t, bool e4m3_codes = false) {
     std::memcpy(table, t, sizeof(table));
     e4m3 = e4m3_codes;
+#ifdef QFA_WIDE
+    init_wide();
+#endif
     if (e4m3) {
       init_e4m3();
       return;
@@ -267,6 +280,94 @@ struct Decoder {
   }
 #endif
 
+#ifdef QFA_WIDE
+  void init_wide() {
+    uint32_t bits[256];
+    std::memcpy(bits, table, sizeof(bits));
+    alignas(64) uint16_t m[128];
+    for (int x = 0; x < 128; ++x) m[x] = static_cast<uint16_t>((bits[x] >> 16) & 0x7FFF);
+    bool ok = true;
+    exc = -1;
+    for (int x = 0; x < 256 && ok; ++x) {
+      const uint16_t looked = static_cast<uint16_t>(m[x & 0x7F] | ((x & 0x80) << 8));
+      const bool flagged = (looked & 0x7F80) == 0x7F80;
+      const bool finite = std::isfinite(table[x]);
+      ok = (bits[x] & 0xFFFFu) == 0;
+      if (flagged && !finite) continue;  // the table decodes it
+      if (!flagged && finite && looked == static_cast<uint16_t>(bits[x] >> 16)) continue;
+      ok = ok && !flagged && !finite && exc < 0;
+      exc = x;
+    }
+    wide = ok;
+    for (int i = 0; i < 4; ++i) mag[i] = _mm512_load_si512(m + 32 * i);
+  }
+
+  // 32 contiguous codes to their bf16 patterns, in order; sets bad's lanes of the codes the table
+  // must decode.
+  inline __m512i words_wide(const uint8_t* p, __mmask32& bad) const {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i m = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
+    const __mmask32 upper = _mm512_test_epi16_mask(m, _mm512_set1_epi16(64));
+    __m512i w = _mm512_mask_blend_epi16(upper, _mm512_permutex2var_epi16(mag[0], m, mag[1]),
+                                        _mm512_permutex2var_epi16(mag[2], m, mag[3]));
+    // w | (c << 8 & 0x8000): the sign
+    w = _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(c, 8), _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+    const __m512i e = _mm512_set1_epi16(0x7F80);
+    bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, e), e);
+    if (exc >= 0) bad |= _mm512_cmpeq_epi16_mask(c, _mm512_set1_epi16(static_cast<short>(exc)));
+    return w;
+  }
+
+  // The codes [0, n - n % 32) to fp32 (HiF8: the words widened; E4M3: the fp16 route, 16 codes at a
+  // time); returns the count done, and whether a code's value is not finite (then wrong here).
+  inline int64_t decode_wide(const uint8_t* p, float* d, int64_t n, bool& bad_any) const {
+    int64_t x = 0;
+    if (e4m3) {
+      __mmask16 bad = 0;
+      const __m512 lift = _mm512_set1_ps(kE4m3Lift);
+      const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xBF80));
+      const __m128i m7f = _mm_set1_epi8(0x7F);
+      for (; x + 16 <= n; x += 16) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7), keep);
+        _mm512_storeu_ps(d + x, _mm512_mul_ps(_mm512_cvtph_ps(h), lift));
+        bad |= _mm_cmpeq_epi8_mask(_mm_and_si128(c, m7f), m7f);
+      }
+      bad_any = bad != 0;
+      return x;
+    }
+    __mmask32 bad = 0;
+    for (; x + 32 <= n; x += 32) {
+      const __m512i w = words_wide(p + x, bad);
+      _mm512_storeu_si512(d + x, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+      _mm512_storeu_si512(d + x + 16, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+    }
+    bad_any = bad != 0;
+    return x;
+  }
+
+  // The codes [0, n - n % 32) to bf16 patterns; as decode_wide.
+  inline int64_t decode_bf16_wide(const uint8_t* p, uint16_t* d, int64_t n, bool& bad_any) const {
+    __mmask32 bad = 0;
+    int64_t x = 0;
+    for (; x + 32 <= n; x += 32) _mm512_storeu_si512(d + x, words_wide(p + x, bad));
+    bad_any = bad != 0;
+    return x;
+  }
+
+  // 32 E4M3 codes to fp32, value i times lane i % 16 of lifted[i / 16] (decode32_e4m3_scaled's
+  // 16-lane form).
+  inline __mmask32 decode32_e4m3_scaled(const uint8_t* p, float* d, const __m512* lifted) const {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(c), 7),
+                                       _mm512_set1_epi16(static_cast<short>(0xBF80)));
+    _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), lifted[0]));
+    _mm512_storeu_ps(d + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), lifted[1]));
+    const __m256i m7f = _mm256_set1_epi8(0x7F);
+    return _mm256_cmpeq_epi8_mask(_mm256_and_si256(c, m7f), m7f);
+  }
+#endif
+
   // The bf16 pattern of a code: its fp32 value's high half (init checked the low half is zero).
   inline uint16_t bf16_of(uint8_t code) const {
     uint32_t bits;
@@ -279,7 +380,16 @@ struct Decoder {
   inline bool decode_bf16(const uint8_t* p, int64_t st, uint16_t* d, int64_t n) const {
     int64_t x = 0;
     bool finite = true;
-#ifdef QFA_SIMD
+#ifdef QFA_WIDE
+    if (st == 1 && wide) {
+      bool bad;
+      x = decode_bf16_wide(p, d, n, bad);
+      if (bad) {
+        for (int64_t i = 0; i < x; ++i) d[i] = bf16_of(p[i]);
+        finite = false;
+      }
+    }
+#elif defined(QFA_SIMD)
     if (st == 1 && simd) {
       __m256i bad = _mm256_setzero_si256();
       if (e4m3) {
@@ -302,7 +412,16 @@ struct Decoder {
     int64_t x = 0;
     bool finite = true;
     if (st == 1) {
-#ifdef QFA_SIMD
+#ifdef QFA_WIDE
+      if (simd && (wide || e4m3)) {
+        bool bad;
+        x = decode_wide(p, d, n, bad);
+        if (bad) {
+          for (int64_t i = 0; i < x; ++i) d[i] = table[p[i]];
+          finite = false;
+        }
+      }
+#elif defined(QFA_SIMD)
       if (simd) {
         __m256i bad = _mm256_setzero_si256();
         if (e4m3) {
@@ -392,6 +511,14 @@ inline const ScaleRowMemo& v_scale_row(const KvSrc& src, const uint8_t* sp, int6
   return memo;
 }
 
+#ifdef QFA_WIDE
+inline __m512 load_lifted(const float* p) { return _mm512_load_ps(p); }
+inline __m512 broadcast_lifted(float f) { return _mm512_set1_ps(f); }
+#elif defined(QFA_SIMD)
+inline __m256 load_lifted(const float* p) { return _mm256_load_ps(p); }
+inline __m256 broadcast_lifted(float f) { return _mm256_set1_ps(f); }
+#endif
+
 // decode_rows for K/V with E8M0 scales (dim a multiple of the vector width and of 32, or at most
 // one partial group of whole vectors): the row decoded to fp32, times its scales (expanded
 // once per distinct scale row: V's cover 32 keys), to bf16 by truncation where T is (exact: the
@@ -430,22 +557,35 @@ inline bool decode_rows_scaled(const Decoder& dc, int64_t dim, const KvSrc& src,
         scales_finite = scales_finite && vs->finite;
         lift_ok = vs->liftable;
       }
+#ifdef QFA_WIDE
+      using Lifted = __m512;
+      constexpr int kLanes = 16;
+      __mmask32 bad = 0;
+#else
+      using Lifted = __m256;
+      constexpr int kLanes = 8;
       __m256i bad = _mm256_setzero_si256();
+#endif
       for (int64_t x = 0; x < dim; x += 32) {
-        __m256 mul[4];
+        Lifted mul[32 / kLanes];
         if (vs) {
-          for (int i = 0; i < 4; ++i) mul[i] = _mm256_load_ps(vs->lifted + x + 8 * i);
+          for (int i = 0; i < 32 / kLanes; ++i) mul[i] = load_lifted(vs->lifted + x + kLanes * i);
         } else {
           const float f = src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
           scales_finite = scales_finite && !std::isnan(f);
           const float lifted = f * Decoder::kE4m3Lift;
           lift_ok = lift_ok && !std::isinf(lifted);
-          mul[0] = mul[1] = mul[2] = mul[3] = _mm256_set1_ps(lifted);
+          for (int i = 0; i < 32 / kLanes; ++i) mul[i] = broadcast_lifted(lifted);
         }
+#ifdef QFA_WIDE
+        bad |= dc.decode32_e4m3_scaled(p + x, d + x, mul);
+      }
+      if (!lift_ok || bad) {
+#else
         bad = _mm256_or_si256(bad, dc.decode32_e4m3_scaled(p + x, d + x, mul));
       }
-      if (!lift_ok) bad = _mm256_set1_epi8(-1);
-      if (!_mm256_testz_si256(bad, bad)) {
+      if (!lift_ok || !_mm256_testz_si256(bad, bad)) {
+#endif
         for (int64_t x = 0; x < dim; ++x) {
           const float f = vs ? vs->fs[x] : src.e8m0[sp[(x >> src.per_shift) * src.el_st]];
           d[x] = dc.table[p[x]] * f;

@@ -91,24 +91,42 @@ def _head_pairs(text: str) -> list[tuple[int, int]]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _lengths(skip: bool) -> Callable[[str], list[int]]:
+    """A comma-separated list of positive lengths; with ``skip``, 0 entries are dropped (a lone
+    0 skips the rows)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if any(v < (0 if skip else 1) for v in values):
+            least = "0 (skip) or more" if skip else "at least 1"
+            raise argparse.ArgumentTypeError(f"expected lengths {least}, got {text!r}")
+        return [v for v in values if v]
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=list(SEQS))
+    parser.add_argument("--seqs", type=_lengths(skip=True), default=list(SEQS),
+                        help="S of the prefill rows (0 skips them)")
     parser.add_argument("--heads", type=_head_pairs, default=list(HEADS),
                         help="(Nq, Nkv) pairs of the speed table, as Nq:Nkv,... (default 12:2,32:8)")
     parser.add_argument("--memory-seq", type=int, default=MEMORY_SEQ, help="S of the peak-memory run (0 skips it)")
     parser.add_argument("--accuracy-seq", type=int, default=1024, help="S of the accuracy table (0 skips it)")
     parser.add_argument("--backend", default="torch")
-    parser.add_argument("--decode-skv", type=lambda s: [int(x) for x in s.split(",") if int(x)],
+    parser.add_argument("--decode-skv", type=_lengths(skip=True),
                         default=list(DECODE_SKV), help="KV lengths of the decode rows (0 skips them)")
-    parser.add_argument("--decode-batch", type=lambda s: [int(x) for x in s.split(",")], default=list(DECODE_BATCH))
-    parser.add_argument("--decode-sq", type=lambda s: [int(x) for x in s.split(",")], default=list(DECODE_SQ))
+    parser.add_argument("--decode-batch", type=_lengths(skip=False), default=list(DECODE_BATCH))
+    parser.add_argument("--decode-sq", type=_lengths(skip=False), default=list(DECODE_SQ))
     parser.add_argument("--load", action="store_true",
                         help="also time every row while a busy-loop process occupies one core")
     parser.add_argument("--in-turns", action="store_true",
                         help="time each row's calls in turns (one of each per round) instead of one after the other")
     parser.add_argument("--quant-mode", type=int, choices=QUANT_MODES, default=0,
                         help="0 HiF8 per-tensor (default), 1 MXFP8, 6 FP8 per-token-head: the op's mode timed")
-    parser.add_argument("--mixed-skv", type=lambda s: [int(x) for x in s.split(",") if int(x)], default=None,
+    parser.add_argument("--mixed-skv", type=_lengths(skip=True), default=None,
                         help=f"contexts of the vLLM-shaped rows ({MIXED_DECODES} decodes + one {MIXED_CHUNK}-token "
                              "chunk, paged); default: the first decode Skv, none when --decode-skv 0; 0 skips them")
 
@@ -662,13 +680,14 @@ def run(args: argparse.Namespace) -> int:
         print(peaks_line(PEAKS))
     extra = ISA_HEADERS + (LOAD_HEADERS if args.load else [])
     load_ratios = []
-    rows, target_ratios, busy = prefill_rows(args.seqs, args.backend, args.heads, args.load, mode)
-    load_ratios += busy
-    print("\nprefill: causal, B=1")
-    print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
-                          "SDPA bf16 ms", "qfa / bf16"] + extra, rows))
-    if target_ratios:
-        print("\n" + speed_verdict([r.ratio for r in target_ratios], [r.at_peak for r in target_ratios]))
+    if args.seqs:
+        rows, target_ratios, busy = prefill_rows(args.seqs, args.backend, args.heads, args.load, mode)
+        load_ratios += busy
+        print("\nprefill: causal, B=1")
+        print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
+                              "SDPA bf16 ms", "qfa / bf16"] + extra, rows))
+        if target_ratios:
+            print("\n" + speed_verdict([r.ratio for r in target_ratios], [r.at_peak for r in target_ratios]))
     if args.decode_skv:
         hq, hkv = args.heads[0]
         rows, decode_ratios, busy = decode_rows(args.decode_skv, args.decode_batch, args.decode_sq, args.backend,
