@@ -132,7 +132,10 @@ inline int64_t columns(const Call& c, const Item& it, int64_t j0, int64_t nk) {
 // the AVX-512 builds, then a fixed add tree; keys in ascending order for P @ V). Whether a block takes this path depends only on
 // the item's shape, so the bits never depend on the thread count.
 constexpr int64_t kFusedRows = 16;
-constexpr int64_t kGroup = 8;  // keys per decoded group
+constexpr int64_t kGroup = 8;  // keys per decoded group of K
+// ... and of V: P V's accumulators go through memory once per group (its rows' sums outnumber
+// the registers), so a longer group pays that less often (32 keys: 16 KB of fp32, in L1).
+constexpr int64_t kVGroup = 32;
 
 inline bool fused(const Call& c, int64_t rows) {
 #ifdef QFA_SIMD
@@ -279,8 +282,15 @@ void load_q(const Call& c, const Item& it, Scratch& sc) {
 }
 
 // Which kernels the last call's blocks ran (bits; the bench names them per row, the tests check
-// the bf16 path really ran): bf16 dot products, the AVX2 tiles or fused kernels, MKL / scalar.
-constexpr int kPathBf16 = 1, kPathAvx2 = 2, kPathScalar = 4;
+// the bf16 path really ran): bf16 dot products, the AVX2 tiles or fused kernels, MKL / scalar,
+// the AVX-512 fused kernels.
+// (AVX-512 builds: the few-row kernels are the 16-lane ones, kPathAvx512.)
+constexpr int kPathBf16 = 1, kPathAvx2 = 2, kPathScalar = 4, kPathAvx512 = 8;
+#ifdef QFA_WIDE
+constexpr int kPathFused = kPathAvx512;
+#else
+constexpr int kPathFused = kPathAvx2;
+#endif
 std::atomic<int> last_paths{0};
 inline void ran(int bit) {
   if (!(last_paths.load(std::memory_order_relaxed) & bit)) last_paths.fetch_or(bit, std::memory_order_relaxed);
@@ -303,7 +313,7 @@ int64_t scores_of(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratc
 #ifdef QFA_SIMD
   if (fused(c, R - lo)) {  // (with panel GEMMs the pre-decoded K is in panels: decode the codes)
     qk_fused(c, it, c.panel_gemm ? nullptr : kpre, j0, lo, R, nc, sc, dst);
-    ran(kPathAvx2);
+    ran(kPathFused);
     return nk;
   }
 #ifdef QFA_BF16_DOT
@@ -405,8 +415,8 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
     vis[r - lo] = visible(c, it, r, j0, nk);
     vis_max = std::max(vis_max, vis[r - lo]);
   }
-  for (int64_t g0 = 0; g0 < vis_max; g0 += kGroup) {
-    const int64_t n = std::min(kGroup, vis_max - g0);
+  for (int64_t g0 = 0; g0 < vis_max; g0 += kVGroup) {
+    const int64_t n = std::min(kVGroup, vis_max - g0);
     const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf, sc.vmemo);
     // Two rows x four registers of dims per pass (6 loads per 8 FMAs); each element is its row's
     // chain over the keys in ascending order, whichever pass computes it.
@@ -596,7 +606,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
         pv_bpanels(sc.half(sc.pb), R - lo, BN, slices, BN * kBPanel, ncp / 2, sc.pv.get());
       } else {
         pv_fused(c, it, nullptr, j0, nk, lo, R, sblk, sc, sc.pv.get());
-        ran(kPathAvx2);
+        ran(kPathFused);
       }
       done = true;
 #endif

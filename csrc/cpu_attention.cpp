@@ -483,6 +483,7 @@ std::vector<std::string> last_paths_names() {
   if (bits & kPathBf16) names.push_back("AVX512_BF16");
   if (bits & kPathAvx2) names.push_back("AVX2");
   if (bits & kPathScalar) names.push_back("scalar");
+  if (bits & kPathAvx512) names.push_back("AVX512");
   return names;
 }
 

@@ -384,8 +384,8 @@ def test_lse_is_fp32_under_a_float64_default_dtype():
 
 @needs_kernel
 def test_decoder_is_the_table_bit_for_bit():
-    """The kernel's HiF8 decoder (the affine rule per group of 8 magnitudes on AVX2 / AVX-512
-    builds, scalar lookups otherwise) against the 256-entry table: every code, NaN's bits included, in the 32-code SIMD
+    """The kernel's HiF8 decoder (the affine rule per group of 8 magnitudes on AVX2 builds, the
+    table's words looked up 32 codes at a time on AVX-512 builds, scalar lookups otherwise) against the 256-entry table: every code, NaN's bits included, in the 32-code SIMD
     body and the scalar tail, from several alignments; and its non-finite flag."""
     table = luts.decode_lut(torch.float32).view(torch.float32)
     bits = table.view(torch.int32)
@@ -702,6 +702,19 @@ def test_decoder_is_the_table_for_a_table_whose_first_group_counts_down():
         got, finite = mod.decode_codes(codes, table, simd)
         assert torch.equal(got.view(torch.int32), t[codes.long()]), (simd, got[:1].view(torch.int32))
         assert finite
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["decode-1x4097", "fused-3x3000-causal-p15"])
+def test_avx512_builds_run_the_16_lane_few_row_kernels(name):
+    """Few-row blocks (decode) run the 16-lane fused kernels in the AVX-512 builds (their
+    numbers checked against the torch path by the cases above), the 8-lane ones in the AVX2 build."""
+    capability = cpu_kernel.cpu_capability()
+    if capability not in ("AVX512", "AVX512_BF16", "AVX2"):
+        pytest.skip(f"the few-row kernels need a vector build; this CPU's is {capability} (no avx2 flag)")
+    plan, args = make(**CASES[name])
+    cpu_kernel.forward(plan, *args)
+    assert cpu_kernel.last_paths() == (["AVX2"] if capability == "AVX2" else ["AVX512"])
 
 
 @needs_kernel

@@ -181,8 +181,9 @@ def bf16_dot() -> bool:
 
 def last_paths() -> list[str]:
     """The kernels the blocks of the last call in this process ran: any of ``AVX512_BF16`` (bf16
-    dot products), ``AVX2`` (the fp32 tiles and the few-row fused kernels) and ``scalar`` (MKL
-    GEMMs, the build without a vector ISA)."""
+    dot products), ``AVX2`` (the fp32 tiles, and the few-row fused kernels of the AVX2 build),
+    ``AVX512`` (the AVX-512 builds' 16-lane few-row kernels) and ``scalar`` (MKL GEMMs, the
+    build without a vector ISA)."""
     if not available():
         raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.backends.cpu_kernel.available)")
     return list(_module.last_paths())

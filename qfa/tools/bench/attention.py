@@ -77,7 +77,7 @@ PEAK_SECONDS = 0.25
 PEAK_ROUNDS = 3
 PEAK_PAUSE = 0.25
 #: The peak loop of each kernel family a row can name (see :func:`peak_of`).
-PEAK_KIND = {"AVX512_BF16": "bf16_dot", "AVX2": "fp32_avx2", "scalar": "fp32_avx512"}
+PEAK_KIND = {"AVX512_BF16": "bf16_dot", "AVX2": "fp32_avx2", "AVX512": "fp32_avx512", "scalar": "fp32_avx512"}
 #: /proc/cpuinfo flags that decide which kernels a CPU can run, as the header names them.
 ISA_FLAGS = (("AVX2", ("avx2",)), ("AVX-512", ("avx512f",)), ("AVX512_BF16", ("avx512_bf16",)),
              ("AMX", ("amx_tile", "amx_bf16")))
