@@ -131,3 +131,27 @@ def test_measure_peaks_keeps_each_kinds_best_round(monkeypatch):
     assert all(t == 2 and s == pytest.approx(0.1) for _, t, s in calls)
     with pytest.raises(ValueError, match="rounds must be a positive int, got 0"):
         bench.measure_peaks(2, 0.3, rounds=0)
+
+
+def test_length_lists_skip_on_zero_and_name_a_bad_value(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--seqs", "0", "--decode-skv", "0,300", "--decode-batch", "1,2"])
+    assert args.seqs == [] and args.decode_skv == [300] and args.decode_batch == [1, 2]
+    for argv, flag in ((["--seqs", "-64"], "--seqs"), (["--decode-sq", "0"], "--decode-sq"),
+                       (["--decode-batch", "two"], "--decode-batch"), (["--mixed-skv", "1,,2"], "--mixed-skv")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert flag in err and repr(argv[1]) in err, err
+
+
+@needs_kernel
+def test_seqs_zero_runs_no_prefill_row(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--heads", "4:2", "--seqs", "0", "--memory-seq", "0", "--accuracy-seq", "0",
+                              "--decode-skv", "300", "--decode-batch", "1", "--decode-sq", "1", "--mixed-skv", "0"])
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "prefill:" not in out and "| 1 | 1 | 300 |" in out
