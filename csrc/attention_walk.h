@@ -58,6 +58,7 @@ struct Call {
   std::vector<uint16_t*> kb_dec, vb_dec;
   bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
   bool bf16 = false;        // ... as bf16 dot products (AVX512_BF16 builds, when asked)
+  bool bf16_few = false;    // the few-row blocks too (bf16 and not MXFP8: see forward)
   // quant_modes 1 and 6 (0: HiF8): E4M3 codes (dec.e4m3) and P rounded to E4M3. Mode 1's E8M0
   // scales are folded into Q (q_e8m0, per (token, head) ceil(D/32) scales at q_st = (token,
   // head) strides) and into K and V at decode (KvSrc::sbase). Mode 6's fp32 scales are applied
@@ -271,13 +272,80 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
 }
 #endif
 
+#ifdef QFA_BF16_DOT
+// ---- few-row blocks as bf16 dot products (AVX512_BF16 builds; not MXFP8) ------------------------
+// The fused kernels' structure with gemm_tiles_bf16.h's arithmetic (and its argument for the
+// numbers): K and V decoded straight to bf16 (no widening, half the bytes), each vdpbf16ps two
+// products a lane. S: a dot product's lanes are the dim pairs (2d, 2d + 1) of 32-dim steps,
+// folded to 8 lanes and the fused kernels' add tree. P V: each output element is its row's chain
+// over key pairs in ascending order. MXFP8 stays on the fp32 kernels: its scaled values are bf16
+// normals only for scales the many-row path checks on the host (MIN_BF16_E8M0), which decode
+// calls would pay on every call.
+constexpr int64_t kPairGroup = 64;  // keys of V decoded as pairs at a time (16 KB of bf16)
+
+// S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0, from the codes.
+void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_t R, int64_t nc, Scratch& sc,
+                   float* dst) {
+  constexpr int64_t D = kFusedDim;
+  const int64_t BN = c.block_n;
+  uint16_t* kr = sc.half(sc.kb);
+  const uint16_t* qb = sc.half(sc.qb);
+  auto dot = [](__m512 acc, const uint16_t* a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)b);
+  };
+  for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
+    const int64_t n = std::min(kGroup, nc - g0);
+    decode_rows(c.dec, D, c.k, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, kr);
+    if (n < kGroup) std::memset(kr + n * D, 0, sizeof(uint16_t) * (kGroup - n) * D);
+    int64_t r = lo;
+    for (; r + 2 <= R; r += 2) {
+      const uint16_t* q0 = qb + r * D;
+      const uint16_t* q1 = q0 + D;
+      for (int64_t h = 0; h < kGroup; h += 4) {
+        const uint16_t* k = kr + h * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t x = 0; x < D; x += 32) {
+          __m512i kv = _mm512_loadu_si512(k + x);
+          a0 = dot(a0, q0 + x, kv); b0 = dot(b0, q1 + x, kv);
+          kv = _mm512_loadu_si512(k + D + x);
+          a1 = dot(a1, q0 + x, kv); b1 = dot(b1, q1 + x, kv);
+          kv = _mm512_loadu_si512(k + 2 * D + x);
+          a2 = dot(a2, q0 + x, kv); b2 = dot(b2, q1 + x, kv);
+          kv = _mm512_loadu_si512(k + 3 * D + x);
+          a3 = dot(a3, q0 + x, kv); b3 = dot(b3, q1 + x, kv);
+        }
+        alignas(32) float s8[8];
+        _mm256_store_ps(s8, hsum8(Lanes16::fold(a0), Lanes16::fold(a1), Lanes16::fold(a2), Lanes16::fold(a3),
+                                  Lanes16::fold(b0), Lanes16::fold(b1), Lanes16::fold(b2), Lanes16::fold(b3)));
+        const int64_t m = std::min<int64_t>(4, n - h);
+        for (int64_t j = 0; j < m; ++j) {
+          dst[(r - lo) * BN + g0 + h + j] = s8[j];
+          dst[(r + 1 - lo) * BN + g0 + h + j] = s8[4 + j];
+        }
+      }
+    }
+    for (; r < R; ++r) {
+      const uint16_t* q = qb + r * D;
+      __m512 a[kGroup];
+      for (int64_t j = 0; j < kGroup; ++j) a[j] = _mm512_setzero_ps();
+      for (int64_t x = 0; x < D; x += 32)
+        for (int64_t j = 0; j < kGroup; ++j) a[j] = dot(a[j], q + x, _mm512_loadu_si512(kr + j * D + x));
+      alignas(32) float s8[8];
+      _mm256_store_ps(s8, hsum8(Lanes16::fold(a[0]), Lanes16::fold(a[1]), Lanes16::fold(a[2]), Lanes16::fold(a[3]),
+                                Lanes16::fold(a[4]), Lanes16::fold(a[5]), Lanes16::fold(a[6]), Lanes16::fold(a[7])));
+      std::memcpy(dst + (r - lo) * BN + g0, s8, sizeof(float) * n);
+    }
+  }
+}
+#endif
+
 // The item's Q tile into sc.q, and as bf16 into sc.qb where its many-row blocks take bf16 dot
 // products (values exact in bf16).
 void load_q(const Call& c, const Item& it, Scratch& sc) {
   load_q_rows(c, it, sc.q.get());
 #ifdef QFA_BF16_DOT
   const int64_t R = (it.t1 - it.t0) * c.group;
-  if (c.bf16 && !fused(c, R)) to_bf16(sc.q.get(), R * c.dim, sc.half(sc.qb));
+  if (c.bf16 && (c.bf16_few || !fused(c, R))) to_bf16(sc.q.get(), R * c.dim, sc.half(sc.qb));
 #endif
 }
 
@@ -312,6 +380,13 @@ int64_t scores_of(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratc
   }
 #ifdef QFA_SIMD
   if (fused(c, R - lo)) {  // (with panel GEMMs the pre-decoded K is in panels: decode the codes)
+#ifdef QFA_BF16_DOT
+    if (c.bf16_few) {
+      qk_fused_bf16(c, it, j0, lo, R, nc, sc, dst);
+      ran(kPathBf16);
+      return nk;
+    }
+#endif
     qk_fused(c, it, c.panel_gemm ? nullptr : kpre, j0, lo, R, nc, sc, dst);
     ran(kPathFused);
     return nk;
@@ -397,13 +472,15 @@ inline int64_t first_row(const Call& c, const Item& it, int64_t j0) {
 #ifdef QFA_SIMD
 // pv = P V for rows [lo, R) of the block at j0 (nk keys): row r sums its visible keys alone, in
 // ascending order, so a non-finite value reaches only the rows that see its key.
+// keys [k_first, k_last) of the block only (k_last < 0: all), adding to pv as it is: the bf16
+// kernel's fallback for one group.
 template <typename L = FusedLanes>
 void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int64_t nk, int64_t lo, int64_t R,
-              const float* p, Scratch& sc, float* pv) {
+              const float* p, Scratch& sc, float* pv, int64_t k_first = 0, int64_t k_last = -1) {
   using T = typename L::T;
   constexpr int64_t D = kFusedDim;
   const int64_t BN = c.block_n;
-  std::memset(pv, 0, sizeof(float) * (R - lo) * D);
+  if (k_last < 0) std::memset(pv, 0, sizeof(float) * (R - lo) * D);
   float* buf = sc.v.get();
   // Each row's visible keys, once per block (visible() divides by the group).
   int64_t vis_small[kFusedRows];
@@ -415,7 +492,8 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
     vis[r - lo] = visible(c, it, r, j0, nk);
     vis_max = std::max(vis_max, vis[r - lo]);
   }
-  for (int64_t g0 = 0; g0 < vis_max; g0 += kVGroup) {
+  if (k_last >= 0) vis_max = std::min(vis_max, k_last);
+  for (int64_t g0 = k_first; g0 < vis_max; g0 += kVGroup) {
     const int64_t n = std::min(kVGroup, vis_max - g0);
     const float* vr = key_rows(c, it, c.v, vpre, j0, g0, n, buf, sc.vmemo);
     // Two rows x four registers of dims per pass (6 loads per 8 FMAs); each element is its row's
@@ -470,6 +548,101 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
           L::store(o1 + x + 3 * L::n, b3);
         }
       }
+    }
+  }
+}
+#endif
+
+#ifdef QFA_BF16_DOT
+// V keys [k0, k0 + n) of item it (the sequence's own indices) as bf16 key pairs: pair i's dims
+// 16t .. 16t + 15 at dst + (i * D / 16 + t) * 32, dword d holding (V[2i][16t + d], V[2i + 1][16t +
+// d]); an odd n's last pair has a zero second key. Returns false where a value is not finite, or
+// the codes are not contiguous along D (then nothing is promised of dst: the caller runs fp32).
+bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t* dst) {
+  constexpr int64_t D = kFusedDim;
+  const Decoder& dc = c.dec;
+  const KvSrc& src = c.v;
+  if (!dc.wide || src.st[3] != 1) return false;
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __m512i exc_v = dc.exc_word();
+  __m512i big = _mm512_setzero_si512(), apart = _mm512_set1_epi16(-1);
+  const int64_t start = c.kv_starts[it.b];
+  alignas(64) static const uint8_t zeros[D] = {};
+  for (int64_t i = 0; i < n; i += 2) {
+    const uint8_t* p0 = src.row(it.b, it.h, start, k0 + i);
+    const uint8_t* p1 = i + 1 < n ? src.row(it.b, it.h, start, k0 + i + 1) : zeros;
+    if (i + kAhead < n && src.run_after(k0 + i) >= kAhead) {  // as decode_rows: the codes a few keys on
+      const char* ahead = reinterpret_cast<const char*>(p0 + kAhead * src.st[2]);
+      for (int64_t x = 0; x < 2 * D; x += 64) _mm_prefetch(ahead + x, _MM_HINT_T0);
+    }
+    uint16_t* o = dst + i * D;
+    for (int64_t x = 0; x < D; x += 32) {
+      const __m512i w0 = dc.words_wide<false>(p0 + x, big, apart, exc_v);
+      const __m512i w1 = dc.words_wide<false>(p1 + x, big, apart, exc_v);
+      _mm512_storeu_si512(o + 2 * x, _mm512_permutex2var_epi16(w0, lo_idx, w1));
+      _mm512_storeu_si512(o + 2 * x + 32, _mm512_permutex2var_epi16(w0, hi_idx, w1));
+    }
+  }
+  return !Decoder::flagged(big, apart);
+}
+
+// pv = P V for rows [lo, R) of the block at j0 (nk keys) as bf16 dot products over key pairs; a
+// group of V holding a value that is not finite runs pv_fused's fp32 chains (each row over its
+// visible keys alone, as everywhere a non-finite value may meet a zero P).
+void pv_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t nk, int64_t lo, int64_t R, const float* p,
+                   Scratch& sc, float* pv) {
+  constexpr int64_t D = kFusedDim;
+  const int64_t BN = c.block_n;
+  std::memset(pv, 0, sizeof(float) * (R - lo) * D);
+  int64_t vis_max = 0;
+  for (int64_t r = lo; r < R; ++r) vis_max = std::max(vis_max, visible(c, it, r, j0, nk));
+  // P's pairs per row (P is zero past each row's visible keys; the pad past vis_max is zero)
+  const int64_t pairs = (vis_max + 1) / 2;
+  uint32_t* pp = reinterpret_cast<uint32_t*>(sc.half(sc.pb));
+  const int64_t pstride = (BN + 1) / 2;
+  for (int64_t r = lo; r < R; ++r) {
+    const float* s = p + (r - lo) * BN;
+    uint32_t* d = pp + (r - lo) * pstride;
+    for (int64_t j = 0; j < 2 * pairs; j += 32) {
+      const int64_t left = std::min<int64_t>(32, vis_max - j);
+      const __mmask16 m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+      const __mmask16 m1 = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left > 16 ? (1u << (left - 16)) - 1 : 0);
+      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, s + j + 16), _mm512_maskz_loadu_ps(m0, s + j));
+      const int64_t words = std::min<int64_t>(32, 2 * pairs - j);
+      _mm512_mask_storeu_epi16(reinterpret_cast<uint16_t*>(d) + j, static_cast<__mmask32>(words >= 32 ? ~0u : (1u << words) - 1), b);
+    }
+  }
+  uint16_t* vp = sc.half(sc.vb);
+  for (int64_t g0 = 0; g0 < vis_max; g0 += kPairGroup) {
+    const int64_t n = std::min(kPairGroup, vis_max - g0);
+    if (!v_pairs_bf16(c, it, j0 + g0, n, vp)) {
+      pv_fused(c, it, nullptr, j0, nk, lo, R, p, sc, pv, g0, g0 + n);
+      continue;
+    }
+    const int64_t np = (n + 1) / 2;
+    for (int64_t r = lo; r < R; r += 2) {
+      const bool pair = r + 1 < R;
+      const uint32_t* u0 = pp + (r - lo) * pstride + g0 / 2;
+      const uint32_t* u1 = pair ? u0 + pstride : u0;
+      float* o0 = pv + (r - lo) * D;
+      float* o1 = pair ? o0 + D : o0;
+      __m512 a[8], b[8];
+      for (int t = 0; t < 8; ++t) { a[t] = _mm512_loadu_ps(o0 + 16 * t); b[t] = _mm512_loadu_ps(o1 + 16 * t); }
+      for (int64_t i = 0; i < np; ++i) {
+        const __m512bh w0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(u0[i]));
+        const __m512bh w1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(u1[i]));
+        const uint16_t* v = vp + i * 2 * D;
+        for (int t = 0; t < 8; ++t) {
+          const __m512bh vv = (__m512bh)_mm512_loadu_si512(v + 32 * t);
+          a[t] = _mm512_dpbf16_ps(a[t], w0, vv);
+          b[t] = _mm512_dpbf16_ps(b[t], w1, vv);
+        }
+      }
+      for (int t = 0; t < 8; ++t) _mm512_storeu_ps(o0 + 16 * t, a[t]);
+      if (pair)
+        for (int t = 0; t < 8; ++t) _mm512_storeu_ps(o1 + 16 * t, b[t]);
     }
   }
 }
@@ -598,7 +771,15 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
     bool done = false;
 #ifdef QFA_SIMD
     if (fused(c, R - lo)) {
+#ifdef QFA_BF16_DOT
+      if (c.bf16_few) {
+        pv_fused_bf16(c, it, j0, nk, lo, R, sblk, sc, sc.pv.get());
+      } else {
+        pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
+      }
+#else
       pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());
+#endif
       done = true;
 #ifdef QFA_BF16_DOT
     } else if (bf16_block) {

@@ -404,10 +404,13 @@ def test_decoder_is_the_table_bit_for_bit():
 
 
 @needs_kernel
-def test_nan_value_in_a_fused_decode_block_reaches_only_the_rows_that_see_it(monkeypatch):
+@pytest.mark.parametrize("bf16", ["1", "0"])
+def test_nan_value_in_a_fused_decode_block_reaches_only_the_rows_that_see_it(bf16, monkeypatch):
     """Few-row blocks sum each row's visible keys alone: a NaN value at the last key poisons the
-    causal rows that see it (the last position's), as in the torch path."""
+    causal rows that see it (the last position's), as in the torch path; with bf16 dot products
+    (where the build has them) the group holding it runs the fp32 chains."""
     monkeypatch.setenv("QFA_COMPILE", "0")
+    monkeypatch.setenv(cpu_kernel.BF16_ENV_VAR, bf16)
     plan, args = make(8, 2, (3,), (600,), causal=True)
     v = args[2].clone()
     v[0, 1, 599, 9] = 0x80  # kv head 1, key 599: only query position 2 sees it
@@ -705,16 +708,21 @@ def test_decoder_is_the_table_for_a_table_whose_first_group_counts_down():
 
 
 @needs_kernel
+@pytest.mark.parametrize("bf16", ["1", "0"])
 @pytest.mark.parametrize("name", ["decode-1x4097", "fused-3x3000-causal-p15"])
-def test_avx512_builds_run_the_16_lane_few_row_kernels(name):
-    """Few-row blocks (decode) run the 16-lane fused kernels in the AVX-512 builds (their
-    numbers checked against the torch path by the cases above), the 8-lane ones in the AVX2 build."""
+def test_few_row_blocks_run_the_widest_kernels_the_build_has(name, bf16, monkeypatch):
+    """Few-row blocks (decode) run bf16 dot products in the AVX512_BF16 build (unless
+    QFA_BF16_DOT=0), the 16-lane fp32 kernels in the AVX-512 builds, the 8-lane ones in the AVX2
+    build (each one's numbers are checked against the torch path by the cases above, which run
+    the build's default, and by test_cpu_kernel_bf16.py's with QFA_BF16_DOT=0)."""
     capability = cpu_kernel.cpu_capability()
     if capability not in ("AVX512", "AVX512_BF16", "AVX2"):
         pytest.skip(f"the few-row kernels need a vector build; this CPU's is {capability} (no avx2 flag)")
+    monkeypatch.setenv(cpu_kernel.BF16_ENV_VAR, bf16)
     plan, args = make(**CASES[name])
     cpu_kernel.forward(plan, *args)
-    assert cpu_kernel.last_paths() == (["AVX2"] if capability == "AVX2" else ["AVX512"])
+    want = {"AVX2": "AVX2", "AVX512": "AVX512", "AVX512_BF16": "AVX512_BF16" if bf16 == "1" else "AVX512"}
+    assert cpu_kernel.last_paths() == [want[capability]]
 
 
 @needs_kernel

@@ -152,8 +152,12 @@ def two_level_case(nq, nkv, q_lens, kv_lens, *, causal, seed, layout="TND"):
 
 
 # Many-row shapes: prefill (K/V decoded once), Sq = 16 decode (split keys), odd lengths, row
-# tails of every size below the 12-row tile, a mixed TND batch with decode rows beside them.
+# tails of every size below the 12-row tile, a mixed TND batch with decode rows beside them; and
+# few-row ones (the fused kernels' bf16 form): Sq = 1 with an odd key count (a last V pair of one
+# key), causal rows that see different key counts.
 EXACT_CASES = {
+    "decode1-gqa6-4097-p15": dict(nq=12, nkv=2, q_lens=(1,), kv_lens=(4097,), causal=False, p_scale=15),
+    "fused-gqa4-3x3001-causal": dict(nq=8, nkv=2, q_lens=(3,), kv_lens=(3001,), causal=True, p_scale=None),
     "prefill-gqa6-600-causal": dict(nq=12, nkv=2, q_lens=(600,), kv_lens=(600,), causal=True, p_scale=None),
     "decode16-gqa6-3000-p15": dict(nq=12, nkv=2, q_lens=(16,), kv_lens=(3000,), causal=False, p_scale=15),
     "gqa5-23x333-odd": dict(nq=5, nkv=1, q_lens=(23,), kv_lens=(333,), causal=False, p_scale=256),
@@ -178,6 +182,7 @@ def test_bf16_path_is_the_fp32_tiles_up_to_summation_order(name):
 
 
 TWO_LEVEL_CASES = {
+    "fused-gqa4-3x2999-causal": dict(nq=8, nkv=2, q_lens=(3,), kv_lens=(2999,), causal=True),
     "prefill-gqa6-700-causal": dict(nq=12, nkv=2, q_lens=(700,), kv_lens=(700,), causal=True),
     "decode16-B2-4096-causal": dict(nq=8, nkv=2, q_lens=(16, 16), kv_lens=(4096, 1500), causal=True),
     "tnd-mixed-causal": dict(nq=12, nkv=2, q_lens=(1, 1, 256, 37), kv_lens=(1000, 3, 800, 37), causal=True),
@@ -209,6 +214,8 @@ def test_bf16_path_against_the_torch_path_within_the_summation_order_bound(name,
 
 
 GENERAL_CASES = {
+    "decode1-B3-bsnd-p15": dict(nq=12, nkv=2, q_lens=(1, 1, 1), kv_lens=(4097, 63, 1), layout="BSND", p_scale=15),
+    "fused-gqa4-5x777-causal": dict(nq=8, nkv=2, q_lens=(5,), kv_lens=(777,), causal=True),
     "prefill-gqa6-700-causal": dict(nq=12, nkv=2, q_lens=(700,), kv_lens=(700,), causal=True),
     "gqa4-257x513-bsnd-p15": dict(nq=4, nkv=1, q_lens=(257,), kv_lens=(513,), layout="BSND", p_scale=15),
     "decode16-B2-causal-p256": dict(nq=8, nkv=2, q_lens=(16, 16), kv_lens=(4096, 1537), layout="BSND", causal=True,
