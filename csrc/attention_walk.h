@@ -58,7 +58,7 @@ struct Call {
   std::vector<uint16_t*> kb_dec, vb_dec;
   bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
   bool bf16 = false;        // ... as bf16 dot products (AVX512_BF16 builds, when asked)
-  bool bf16_few = false;    // the few-row blocks too (bf16 and not MXFP8: see forward)
+  bool bf16_few = false;    // the few-row blocks too (the decoder's wide form: see forward)
   // quant_modes 1 and 6 (0: HiF8): E4M3 codes (dec.e4m3) and P rounded to E4M3. Mode 1's E8M0
   // scales are folded into Q (q_e8m0, per (token, head) ceil(D/32) scales at q_st = (token,
   // head) strides) and into K and V at decode (KvSrc::sbase). Mode 6's fp32 scales are applied
@@ -273,15 +273,47 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
 #endif
 
 #ifdef QFA_BF16_DOT
-// ---- few-row blocks as bf16 dot products (AVX512_BF16 builds; not MXFP8) ------------------------
+// ---- few-row blocks as bf16 dot products (AVX512_BF16 builds) ------------------------------------
 // The fused kernels' structure with gemm_tiles_bf16.h's arithmetic (and its argument for the
 // numbers): K and V decoded straight to bf16 (no widening, half the bytes), each vdpbf16ps two
 // products a lane. S: a dot product's lanes are the dim pairs (2d, 2d + 1) of 32-dim steps,
 // folded to 8 lanes and the fused kernels' add tree. P V: each output element is its row's chain
-// over key pairs in ascending order. MXFP8 stays on the fp32 kernels: its scaled values are bf16
-// normals only for scales the many-row path checks on the host (MIN_BF16_E8M0), which decode
-// calls would pay on every call.
+// over key pairs in ascending order. MXFP8's scaled values are bf16 normals, and their products
+// fp32 normals, only for scales of at least MIN_BF16_E8M0 (cpu_kernel.py): the host asks for bf16
+// only after checking them, and the kernel moves the words' exponents (scaled_words).
 constexpr int64_t kPairGroup = 64;  // keys of V decoded as pairs at a time (16 KB of bf16)
+
+// MXFP8 (quant_mode 1): 32 E4M3 codes' bf16 words times 2^(step / 128) per lane, by moving the
+// exponent field (exact: the host asked for bf16 only where every scaled value and every product
+// of two is a normal, MIN_BF16_E8M0); zero and non-finite words stay as they are (flagged in
+// big / apart), and lanes of a NaN scale (nan) become NaN.
+inline __m512i scaled_words(const Decoder& dc, const uint8_t* p, __m512i step, __mmask32 nan, __m512i& big,
+                            __m512i& apart, __m512i exc_v) {
+  const __m512i w = dc.words_wide<false>(p, big, apart, exc_v);
+  const __m512i e = _mm512_and_si512(w, _mm512_set1_epi16(0x7F80));
+  const __mmask32 normal = _mm512_test_epi16_mask(e, e) & _mm512_cmpneq_epi16_mask(e, _mm512_set1_epi16(0x7F80));
+  return _mm512_mask_mov_epi16(_mm512_mask_add_epi16(w, normal, w, step), nan, _mm512_set1_epi16(0x7FC0));
+}
+
+// Keys [k0, k0 + n) of MXFP8's K (one scale per 32 channels) as bf16 rows into dst. A code or
+// scale that is not finite needs no fp32 fallback here: its word is NaN (or Inf), which a dot
+// product propagates as the fp32 one does, whatever the order.
+void scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t* dst) {
+  constexpr int64_t D = kFusedDim;
+  const KvSrc& src = c.k;
+  const __m512i exc_v = c.dec.exc_word();
+  __m512i big = _mm512_setzero_si512(), apart = _mm512_set1_epi16(-1);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* p = src.row(it.b, it.h, c.kv_starts[it.b], k0 + j);
+    const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
+    for (int64_t x = 0; x < D; x += 32) {
+      const int code = sp[(x >> src.per_shift) * src.el_st];
+      const __mmask32 nan = code == 0xFF ? ~__mmask32(0) : 0;
+      _mm512_storeu_si512(dst + j * D + x, scaled_words(c.dec, p + x, _mm512_set1_epi16(e8m0_step(code)), nan, big,
+                                                        apart, exc_v));
+    }
+  }
+}
 
 // S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0, from the codes.
 void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_t R, int64_t nc, Scratch& sc,
@@ -295,7 +327,11 @@ void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_
   };
   for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
     const int64_t n = std::min(kGroup, nc - g0);
-    decode_rows(c.dec, D, c.k, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, kr);
+    if (c.k.sbase) {
+      scaled_k_rows_bf16(c, it, j0 + g0, n, kr);
+    } else {
+      decode_rows(c.dec, D, c.k, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, kr);
+    }
     if (n < kGroup) std::memset(kr + n * D, 0, sizeof(uint16_t) * (kGroup - n) * D);
     int64_t r = lo;
     for (; r + 2 <= R; r += 2) {
@@ -558,7 +594,7 @@ void pv_fused(const Call& c, const Item& it, const float* vpre, int64_t j0, int6
 // 16t .. 16t + 15 at dst + (i * D / 16 + t) * 32, dword d holding (V[2i][16t + d], V[2i + 1][16t +
 // d]); an odd n's last pair has a zero second key. Returns false where a value is not finite, or
 // the codes are not contiguous along D (then nothing is promised of dst: the caller runs fp32).
-bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t* dst) {
+bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t* dst, Scratch& sc) {
   constexpr int64_t D = kFusedDim;
   const Decoder& dc = c.dec;
   const KvSrc& src = c.v;
@@ -570,6 +606,7 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
   __m512i big = _mm512_setzero_si512(), apart = _mm512_set1_epi16(-1);
   const int64_t start = c.kv_starts[it.b];
   alignas(64) static const uint8_t zeros[D] = {};
+  alignas(64) static const int16_t no_step[D] = {};
   for (int64_t i = 0; i < n; i += 2) {
     const uint8_t* p0 = src.row(it.b, it.h, start, k0 + i);
     const uint8_t* p1 = i + 1 < n ? src.row(it.b, it.h, start, k0 + i + 1) : zeros;
@@ -577,10 +614,32 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
       const char* ahead = reinterpret_cast<const char*>(p0 + kAhead * src.st[2]);
       for (int64_t x = 0; x < 2 * D; x += 64) _mm_prefetch(ahead + x, _MM_HINT_T0);
     }
+    // MXFP8: each key's scale row (one scale per channel; one row per 32 keys, the memo's); a
+    // NaN scale sends the group to the fp32 chains
+    const int16_t* st0 = no_step;
+    const int16_t* st1 = no_step;
+    if (src.sbase) {
+      const ScaleRowMemo& m0 = v_scale_row(src, src.scale_row(it.b, it.h, k0 + i), D, sc.vmemo);
+      if (!m0.finite) return false;
+      st0 = st1 = m0.step;
+      if (i + 1 < n && ((k0 + i + 1) & 31) == 0) {  // (a pair across two scale rows)
+        std::memcpy(sc.pair_step, m0.step, sizeof(sc.pair_step));
+        st0 = sc.pair_step;
+        const ScaleRowMemo& m1 = v_scale_row(src, src.scale_row(it.b, it.h, k0 + i + 1), D, sc.vmemo);
+        if (!m1.finite) return false;
+        st1 = m1.step;
+      }
+    }
     uint16_t* o = dst + i * D;
     for (int64_t x = 0; x < D; x += 32) {
-      const __m512i w0 = dc.words_wide<false>(p0 + x, big, apart, exc_v);
-      const __m512i w1 = dc.words_wide<false>(p1 + x, big, apart, exc_v);
+      __m512i w0, w1;
+      if (src.sbase) {
+        w0 = scaled_words(dc, p0 + x, _mm512_load_si512(st0 + x), 0, big, apart, exc_v);
+        w1 = scaled_words(dc, p1 + x, _mm512_load_si512(st1 + x), 0, big, apart, exc_v);
+      } else {
+        w0 = dc.words_wide<false>(p0 + x, big, apart, exc_v);
+        w1 = dc.words_wide<false>(p1 + x, big, apart, exc_v);
+      }
       _mm512_storeu_si512(o + 2 * x, _mm512_permutex2var_epi16(w0, lo_idx, w1));
       _mm512_storeu_si512(o + 2 * x + 32, _mm512_permutex2var_epi16(w0, hi_idx, w1));
     }
@@ -617,7 +676,7 @@ void pv_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t nk, int64_
   uint16_t* vp = sc.half(sc.vb);
   for (int64_t g0 = 0; g0 < vis_max; g0 += kPairGroup) {
     const int64_t n = std::min(kPairGroup, vis_max - g0);
-    if (!v_pairs_bf16(c, it, j0 + g0, n, vp)) {
+    if (!v_pairs_bf16(c, it, j0 + g0, n, vp, sc)) {
       pv_fused(c, it, nullptr, j0, nk, lo, R, p, sc, pv, g0, g0 + n);
       continue;
     }

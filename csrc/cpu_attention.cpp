@@ -143,8 +143,7 @@ void qfa_kernel::forward(const ForwardArgs& a) {
 #endif
 #ifdef QFA_BF16_DOT
   c.bf16 = a.bf16 && c.panel_gemm && c.dec.simd && block_n % kBPanel == 0;
-  // (MXFP8's scaled values are bf16 normals only for the scales the host checks for many-row calls)
-  c.bf16_few = c.bf16 && quant_mode != 1 && c.dec.wide;
+  c.bf16_few = c.bf16 && c.dec.wide;  // (MXFP8: bf16 only once the host checked its scales)
 #endif
   const int64_t B = static_cast<int64_t>(q_lens.size());
   const int64_t T = std::max<int64_t>(1, a.tile_rows / group);  // query positions per tile

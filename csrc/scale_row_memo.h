@@ -27,6 +27,12 @@ struct ScaleRowMemo {
   bool liftable = true;  // every scale times the E4M3 route's 2^8 is finite (the plan's cap: 2^119)
   alignas(64) float fs[kMaxScaledDim];
   alignas(64) float lifted[kMaxScaledDim];  // fs times Decoder::kE4m3Lift
+  // (e - 127) << 7 of each scale code e: what times 2^(e - 127) adds to a bf16 word's bits (the
+  // bf16 few-row kernels; meaningless for a NaN scale, where finite is false)
+  alignas(64) int16_t step[kMaxScaledDim];
 };
+
+constexpr int kE8m0Bias = 127, kBf16ExpShift = 7;  // E8M0's exponent bias; bf16's exponent field's place
+inline int16_t e8m0_step(int code) { return static_cast<int16_t>((code - kE8m0Bias) << kBf16ExpShift); }
 
 }  // namespace

@@ -271,6 +271,35 @@ def test_many_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
     assert "AVX512_BF16" not in got["1"][2]
 
 
+def test_few_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
+    """Decode-shaped MXFP8 calls (few rows): bf16 dot products on the scaled words where built;
+    NaN K and V scales and a NaN V code poison the torch path's rows either way (a V group holding
+    one runs the fp32 chains); a scale below MIN_BF16_E8M0 runs the fp32 kernels."""
+    case = mx_case((1, 3), (1500, 700), seed=11)
+    args, kwargs = mx_call(case, causal=True)
+    got = _check(1, case, args, kwargs, monkeypatch)
+    assert "AVX512_BF16" not in got["0"][2]
+    if cpu_kernel._module.has_bf16_dot():
+        assert got["1"][2] == ["AVX512_BF16"]
+    bad = dict(case, k_scales=case["k_scales"].clone(), v_scales=[s.clone() for s in case["v_scales"]])
+    bad["k_scales"].view(torch.uint8)[20, 1, 2] = mxfp8.E8M0_NAN_CODE  # sequence 0, key 20, kv head 1
+    bad["v_scales"][1].view(torch.uint8)[3, 0, 7] = mxfp8.E8M0_NAN_CODE  # sequence 1, keys 96-127, head 0
+    v = case["v"].view(torch.uint8).clone()
+    v[1500 + 650, 0, 5] = E4M3_NAN  # sequence 1, key 650
+    bad["v"] = v.view(torch.float8_e4m3fn)
+    args, kwargs = mx_call(bad, causal=True)
+    want = _run(args, kwargs, monkeypatch, native=False)
+    assert torch.isnan(want[0].float()).any()
+    for bf16 in ("1", "0"):
+        got_nan = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
+        _same_nan_then_close(got_nan[0], want[0], got_nan[1], want[1])
+    small = dict(case, v_scales=[s.clone() for s in case["v_scales"]])
+    small["v_scales"][0].view(torch.uint8)[0, 0, 0] = cpu_kernel.MIN_BF16_E8M0 - 1
+    args, kwargs = mx_call(small, causal=True)
+    got = _check(1, small, args, kwargs, monkeypatch, bf16_modes=("1",))
+    assert "AVX512_BF16" not in got["1"][2]
+
+
 # ---------------------------------------------------------------------------- NaN and Inf
 
 
