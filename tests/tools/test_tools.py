@@ -102,6 +102,11 @@ def test_speed_verdict():
     assert bench_attention.load_verdict([1.5, 1.2]).endswith(": met, 2 of 2 rows within it (worst 1.50x)")
     with pytest.raises(ValueError, match="at least one"):
         bench_attention.speed_verdict([])
+    tight = bench_attention.speed_verdict([0.45, 0.6], target=0.5)
+    assert tight.startswith("speed target (qfa <= 0.5x") and tight.endswith(": NOT met, 1 of 2 rows within it (worst 0.60x)")
+    bf16 = {"fp32_avx512": 500.0, "bf16_dot": 1000.0}
+    assert bench_attention.speed_target(bf16) == 0.5 and bench_attention.speed_target(bf16, 1) == 1.0
+    assert bench_attention.speed_target({"fp32_avx2": 250.0}) == 1.0
 
 
 def test_at_peak_ratio_is_the_rows_flops_at_the_peak_of_its_fastest_kernel_over_sdpa():
@@ -242,7 +247,8 @@ def test_bench_attention_run_prints_the_verdict(fake_clock, capsys, monkeypatch,
     assert bench_attention.run(args) == 0
     assert fake_clock.used == {"in turns" if in_turns else "one after the other"}
     out = capsys.readouterr().out
-    assert bench_attention.speed_verdict([1.5]) in out  # only S = 2048 counts
+    # only S = 2048 counts, against this CPU's target (the peaks the run measured)
+    assert bench_attention.speed_verdict([1.5], target=bench_attention.speed_target(bench_attention.PEAKS)) in out
     assert "| at peak / fp32 |" in out
     assert "peak memory" not in out and "accuracy" not in out
 

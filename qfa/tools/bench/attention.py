@@ -48,6 +48,8 @@ MEMORY_SEQ = 16384
 MEMORY_LIMIT_GIB = 4.0
 #: The issue's speed target: the torch path at most this many times fp32 SDPA's time ...
 SPEED_TARGET_RATIO = 1.0
+#: ... (the HiF8 mode on CPUs with AVX512_BF16 dot products: this many; issue #21) ...
+SPEED_TARGET_BF16 = 0.5
 #: ... from this sequence length up.
 SPEED_TARGET_MIN_SEQ = 2048
 #: Decode rows: new tokens, KV lengths and batch sizes. The targets (issue #21): Sq = 1 at most
@@ -608,11 +610,17 @@ def mixed_verdict(ratios: Sequence[float], bound: float, at_peak: Sequence[float
                     "mixed_verdict", at_peak)
 
 
-def speed_verdict(ratios: Sequence[float], at_peak: Sequence[float | None] | None = None) -> str:
+def speed_target(peaks: dict[str, float], quant_mode: int = 0) -> float:
+    """The prefill target: tighter for the HiF8 mode where the CPU runs bf16 dot products."""
+    return SPEED_TARGET_BF16 if quant_mode == 0 and bf16_dot_measured(peaks) else SPEED_TARGET_RATIO
+
+
+def speed_verdict(ratios: Sequence[float], at_peak: Sequence[float | None] | None = None,
+                  target: float = SPEED_TARGET_RATIO) -> str:
     """The verdict line on the speed target, from qfa / fp32 SDPA of the rows it covers (S >= the
     minimum), and their :func:`at_peak_ratio`."""
-    return _verdict(f"speed target (qfa <= {SPEED_TARGET_RATIO:.1f}x fp32 SDPA for S >= {SPEED_TARGET_MIN_SEQ})",
-                    SPEED_TARGET_RATIO, ratios, "speed_verdict", at_peak)
+    return _verdict(f"speed target (qfa <= {target:.1f}x fp32 SDPA for S >= {SPEED_TARGET_MIN_SEQ})",
+                    target, ratios, "speed_verdict", at_peak)
 
 
 _MEMORY_SCRIPT = """
@@ -687,7 +695,8 @@ def run(args: argparse.Namespace) -> int:
         print(markdown_table(["(Nq, Nkv)", "S", "qfa ms", "qfa GFLOP/s", "SDPA fp32 ms", "qfa / fp32",
                               "SDPA bf16 ms", "qfa / bf16"] + extra, rows))
         if target_ratios:
-            print("\n" + speed_verdict([r.ratio for r in target_ratios], [r.at_peak for r in target_ratios]))
+            print("\n" + speed_verdict([r.ratio for r in target_ratios], [r.at_peak for r in target_ratios],
+                                        speed_target(PEAKS, mode)))
     if args.decode_skv:
         hq, hkv = args.heads[0]
         rows, decode_ratios, busy = decode_rows(args.decode_skv, args.decode_batch, args.decode_sq, args.backend,
