@@ -602,9 +602,24 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const int64_t start = c.kv_starts[it.b];
+  if (dc.vbmi && !src.sbase) {  // the rows through the VBMI decoder, then paired
+    uint16_t* rows = sc.half(sc.kb);
+    if (!decode_rows(dc, D, src, it.b, it.h, start, k0, k0 + n, rows)) return false;
+    if (n % 2) std::memset(rows + n * D, 0, sizeof(uint16_t) * D);
+    for (int64_t i = 0; i < n; i += 2) {
+      const uint16_t* r0 = rows + i * D;
+      uint16_t* o = dst + i * D;
+      for (int64_t x = 0; x < D; x += 32) {
+        const __m512i w0 = _mm512_loadu_si512(r0 + x), w1 = _mm512_loadu_si512(r0 + D + x);
+        _mm512_storeu_si512(o + 2 * x, _mm512_permutex2var_epi16(w0, lo_idx, w1));
+        _mm512_storeu_si512(o + 2 * x + 32, _mm512_permutex2var_epi16(w0, hi_idx, w1));
+      }
+    }
+    return true;
+  }
   const __m512i exc_v = dc.exc_word();
   __m512i big = _mm512_setzero_si512(), apart = _mm512_set1_epi16(-1);
-  const int64_t start = c.kv_starts[it.b];
   alignas(64) static const uint8_t zeros[D] = {};
   alignas(64) static const int16_t no_step[D] = {};
   for (int64_t i = 0; i < n; i += 2) {

@@ -431,7 +431,36 @@ bool qfa_kernel::decode_codes(const uint8_t* codes, int64_t n, const float* deco
   Decoder dc;
   dc.init(decode_table, e4m3);
   dc.simd = dc.simd && simd;
+#ifdef QFA_WIDE
+  dc.wide = dc.wide && simd;
+  dc.vbmi = dc.vbmi && simd;
+#endif
   return dc.decode(codes, 1, out, n);
+}
+
+// The same to bf16 words (the bf16 dot products' operands).
+bool qfa_kernel::decode_codes_bf16(const uint8_t* codes, int64_t n, const float* decode_table, bool simd, bool e4m3,
+                                   uint16_t* out) {
+  Decoder dc;
+  dc.init(decode_table, e4m3);
+  dc.simd = dc.simd && simd;
+#ifdef QFA_WIDE
+  dc.wide = dc.wide && simd;
+  dc.vbmi = dc.vbmi && simd;
+#endif
+  return dc.decode_bf16(codes, 1, out, n);
+}
+
+// Which form of the decoder runs for this table here (tests): "vbmi" (the byte lookups), "wide"
+// (the AVX-512 word lookups), "simd" (the AVX2 rule / fp16 route) or "scalar".
+std::string qfa_kernel::decoder_kind(const float* decode_table, bool e4m3) {
+  Decoder dc;
+  dc.init(decode_table, e4m3);
+#ifdef QFA_WIDE
+  if (dc.vbmi) return "vbmi";
+  if (dc.wide) return "wide";
+#endif
+  return dc.simd ? "simd" : "scalar";
 }
 
 // Whether the SIMD decoder runs for this table in this build.

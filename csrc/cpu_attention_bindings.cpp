@@ -190,6 +190,23 @@ std::tuple<at::Tensor, bool> decode_codes(const at::Tensor& codes, const at::Ten
   return {out, finite};
 }
 
+// The same to bf16 words (int16), and whether all are finite.
+std::tuple<at::Tensor, bool> decode_bf16_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd,
+                                               bool e4m3) {
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.dim() == 1 && codes.is_contiguous(), "codes: contiguous 1-D uint8");
+  check_table(decode_table, "decode_table");
+  at::Tensor out = codes.new_empty({codes.numel()}, at::TensorOptions().dtype(at::kShort));
+  const bool finite = qfa_kernel::decode_codes_bf16(codes.data_ptr<uint8_t>(), codes.numel(),
+                                                    decode_table.data_ptr<float>(), simd, e4m3,
+                                                    reinterpret_cast<uint16_t*>(out.data_ptr<int16_t>()));
+  return {out, finite};
+}
+
+std::string decoder_kind(const at::Tensor& decode_table, bool e4m3) {
+  check_table(decode_table, "decode_table");
+  return qfa_kernel::decoder_kind(decode_table.data_ptr<float>(), e4m3);
+}
+
 std::tuple<at::Tensor, bool> decode_e4m3_codes(const at::Tensor& codes, const at::Tensor& decode_table, bool simd) {
   return decode_codes(codes, decode_table, simd, true);
 }
@@ -385,6 +402,7 @@ struct Bind<F, Name> {
 };
 
 constexpr char kDecodeCodes[] = "decode_codes", kDecodeE4m3Codes[] = "decode_e4m3_codes",
+               kDecodeBf16Codes[] = "decode_bf16_codes", kDecoderKind[] = "decoder_kind",
                kSimdE4m3Decoder[] = "simd_e4m3_decoder", kRoundPE4m3[] = "round_p_e4m3", kVecWidth[] = "vec_width",
                kRoundP[] = "round_p", kSimdDecoder[] = "simd_decoder", kLastRegion[] = "last_region",
                kLastPaths[] = "last_paths", kLastRegions[] = "last_regions", kHasBf16Dot[] = "has_bf16_dot",
@@ -440,6 +458,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "decode_codes(codes, decode_table, simd, e4m3=False): HiF8 codes to fp32 with the kernel's decoder (tests)"},
     method<&decode_e4m3_codes, kDecodeE4m3Codes>("E4M3 codes to fp32 with the kernel's decoder (tests)"),
+    method<&decode_bf16_codes, kDecodeBf16Codes>("HiF8 / E4M3 codes to bf16 words with the kernel's decoder (tests)"),
+    method<&decoder_kind, kDecoderKind>("which form of the decoder runs for this table here (tests)"),
     method<&simd_e4m3_decoder, kSimdE4m3Decoder>("whether the SIMD E4M3 decoder runs for this table (tests)"),
     method<&round_p_e4m3, kRoundPE4m3>("E4M3 rounding of P with the kernel's code (tests)"),
     method<&vec_width, kVecWidth>("fp32 lanes of the build's vectors (head dims are a multiple)"),

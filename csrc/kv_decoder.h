@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -37,6 +38,13 @@ namespace {
 // table without that structure (none today) falls back to scalar lookups. Measured on the AVX2
 // EPYC: 0.13 ns a code in L1, against 0.25 for the previous vpshufb chain over 8 segments.
 
+#ifdef QFA_WIDE
+struct Decoder;
+#define QFA_VBMI_FN __attribute__((target("avx512vbmi,avx512bw,avx512f")))
+QFA_VBMI_FN int64_t decode_f32_vbmi(const Decoder& dc, const uint8_t* p, float* d, int64_t n, bool& bad);
+QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16_t* d, int64_t n, bool& bad);
+#endif
+
 struct Decoder {
   // 2^8: an E4M3 value over the half e4m3_lowered makes of its code (see there).
   static constexpr float kE4m3Lift = 256.0f;
@@ -56,6 +64,12 @@ struct Decoder {
   __m512i mag[4];
   int exc = -1;
   bool wide = false;
+  // CPUs with AVX512_VBMI (Ice Lake and Zen 4 on): the same table as two 128-entry byte tables
+  // (the words' high bytes, sign cleared, and low bytes), one vpermt2b each for 64 codes; the
+  // functions that use them are compiled for VBMI alone (vbmi_decode.h's), chosen at run time
+  // (QFA_VBMI=0 keeps the vpermt2w lookups, for the tests).
+  __m512i hb[2], lb[2];
+  bool vbmi = false;
 #endif
 
   // Codes the affine rule leaves to the table.
@@ -300,6 +314,17 @@ struct Decoder {
     }
     wide = ok;
     for (int i = 0; i < 4; ++i) mag[i] = _mm512_load_si512(m + 32 * i);
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int x = 0; x < 128; ++x) {
+      hi[x] = static_cast<uint8_t>(m[x] >> 8);
+      lo[x] = static_cast<uint8_t>(m[x]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      hb[i] = _mm512_load_si512(hi + 64 * i);
+      lb[i] = _mm512_load_si512(lo + 64 * i);
+    }
+    const char* off = std::getenv("QFA_VBMI");
+    vbmi = wide && __builtin_cpu_supports("avx512vbmi") && !(off && std::strcmp(off, "0") == 0);
   }
 
   // 32 contiguous codes to their bf16 patterns: in order, or (Spread) with codes 4L .. 4L + 3
@@ -396,7 +421,7 @@ struct Decoder {
 #ifdef QFA_WIDE
     if (st == 1 && wide) {
       bool bad;
-      x = decode_bf16_wide(p, d, n, bad);
+      x = vbmi ? decode_bf16_vbmi(*this, p, d, n, bad) : decode_bf16_wide(p, d, n, bad);
       if (bad) {
         for (int64_t i = 0; i < x; ++i) d[i] = bf16_of(p[i]);
         finite = false;
@@ -428,7 +453,7 @@ struct Decoder {
 #ifdef QFA_WIDE
       if (simd && (wide || e4m3)) {
         bool bad;
-        x = decode_wide(p, d, n, bad);
+        x = vbmi && !e4m3 ? decode_f32_vbmi(*this, p, d, n, bad) : decode_wide(p, d, n, bad);
         if (bad) {
           for (int64_t i = 0; i < x; ++i) d[i] = table[p[i]];
           finite = false;
@@ -455,6 +480,75 @@ struct Decoder {
     return finite;
   }
 };
+
+#ifdef QFA_WIDE
+// ---- the VBMI lookups -------------------------------------------------------------------------
+// Compiled for AVX512_VBMI on their own (target attribute: the build's flags stay torch's AVX512
+// capability, which has no VBMI), run only where Decoder::vbmi says the CPU has it. 64 codes a
+// step: two vpermt2b give the bf16 words' high and low bytes (index bits 0-6: the magnitude),
+// the sign goes into the high byte, and vpunpck{l,h}bw make words, 8 codes of each 16 per
+// 128-bit lane. A high byte of 0x7F (0x7F80 and up: Inf, NaN) flags the range for the table, as
+// does exc.
+struct VbmiFlags {
+  __m512i big = _mm512_setzero_si512();  // the largest high byte seen, sign cleared
+  __m512i apart = _mm512_set1_epi8(-1);  // the smallest code ^ exc seen (0: exc met)
+};
+
+QFA_VBMI_FN inline void bytes64_vbmi(const Decoder& dc, __m512i c, __m512i& lo, __m512i& hi, VbmiFlags& f) {
+  const __m512i h = _mm512_permutex2var_epi8(dc.hb[0], c, dc.hb[1]);
+  lo = _mm512_permutex2var_epi8(dc.lb[0], c, dc.lb[1]);
+  f.big = _mm512_max_epu8(f.big, h);
+  if (dc.exc >= 0) f.apart = _mm512_min_epu8(f.apart, _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(dc.exc))));
+  hi = _mm512_ternarylogic_epi32(h, c, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // h | (c & 0x80)
+}
+
+QFA_VBMI_FN inline bool flagged_vbmi(const VbmiFlags& f) {
+  return _mm512_cmpeq_epi8_mask(f.big, _mm512_set1_epi8(0x7F)) != 0 ||
+         _mm512_cmpeq_epi8_mask(f.apart, _mm512_setzero_si512()) != 0;
+}
+
+// The codes [0, n - n % 64) to fp32; returns the count done, and in bad whether the table must
+// decode them again. The codes' dwords are permuted first (a 4 x 4 transpose of 4-code groups)
+// so that the unpacks against zero leave codes 0-15, 16-31, 32-47 and 48-63 in order.
+QFA_VBMI_FN int64_t decode_f32_vbmi(const Decoder& dc, const uint8_t* p, float* d, int64_t n, bool& bad) {
+  const __m512i spread = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i z = _mm512_setzero_si512();
+  VbmiFlags f;
+  int64_t x = 0;
+  for (; x + 64 <= n; x += 64) {
+    __m512i lo, hi;
+    bytes64_vbmi(dc, _mm512_permutexvar_epi32(spread, _mm512_loadu_si512(p + x)), lo, hi, f);
+    const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+    _mm512_storeu_si512(d + x, _mm512_unpacklo_epi16(z, a));
+    _mm512_storeu_si512(d + x + 16, _mm512_unpackhi_epi16(z, a));
+    _mm512_storeu_si512(d + x + 32, _mm512_unpacklo_epi16(z, b));
+    _mm512_storeu_si512(d + x + 48, _mm512_unpackhi_epi16(z, b));
+  }
+  bad = flagged_vbmi(f);
+  return x;
+}
+
+// The codes [0, n - n % 64) to bf16 words in order; as decode_f32_vbmi.
+QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16_t* d, int64_t n, bool& bad) {
+  // word i of the result: lane i / 16 of the unpacked words, low (a) or high (b) half by i % 16
+  alignas(64) static const int16_t order[64] = {
+      0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39, 8,  9,  10, 11, 12, 13,
+      14, 15, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51,
+      52, 53, 54, 55, 24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
+  const __m512i o0 = _mm512_load_si512(order), o1 = _mm512_load_si512(order + 32);
+  VbmiFlags f;
+  int64_t x = 0;
+  for (; x + 64 <= n; x += 64) {
+    __m512i lo, hi;
+    bytes64_vbmi(dc, _mm512_loadu_si512(p + x), lo, hi, f);
+    const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+    _mm512_storeu_si512(d + x, _mm512_permutex2var_epi16(a, o0, b));
+    _mm512_storeu_si512(d + x + 32, _mm512_permutex2var_epi16(a, o1, b));
+  }
+  bad = flagged_vbmi(f);
+  return x;
+}
+#endif
 
 // Where K or V codes lie: (batch, head, position, dim) strides, or paged (block_table given):
 // key j of batch b at block table[b][j / block_size], position j % block_size, with the strides

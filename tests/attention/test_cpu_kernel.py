@@ -747,3 +747,43 @@ def test_decoder_matches_the_table_for_every_run_of_codes_around_the_32_code_bod
                 assert finite == bool(torch.isfinite(table[c.long()]).all()), (special, at, start, n)
 
 
+
+
+@needs_kernel
+@pytest.mark.parametrize("vbmi", ["1", "0"])
+@pytest.mark.parametrize("e4m3", [False, True], ids=["hif8", "e4m3"])
+def test_every_form_of_the_decoder_is_the_table_bit_for_bit(vbmi, e4m3, monkeypatch):
+    """The decoder's form on this CPU (AVX512_VBMI byte lookups, AVX-512 word lookups, the AVX2
+    rule / fp16 route, scalar; QFA_VBMI=0 leaves out the first) against the 256-entry table, to
+    fp32 and to bf16 words: every code at every position of the 64-code body and its tail, NaN /
+    Inf codes inside the body, only in the tail, or absent, and the non-finite flag."""
+    monkeypatch.setenv("QFA_VBMI", vbmi)
+    mod = cpu_kernel._module
+    table = cpu_kernel._e4m3_table() if e4m3 else cpu_kernel._decode_table()
+    kind = mod.decoder_kind(table, e4m3)
+    flags = cpu_kernel._cpu_flags().split()
+    if cpu_kernel.cpu_capability() in ("AVX512", "AVX512_BF16"):
+        assert kind == ("vbmi" if vbmi == "1" and "avx512vbmi" in flags else "wide")
+    else:
+        assert kind in ("simd", "scalar")
+    bits = table.view(torch.int32)
+    words = (bits >> 16).to(torch.int16)
+    finite = torch.isfinite(table)
+    gen = torch.Generator().manual_seed(17)
+    every = torch.cat([torch.randperm(256, generator=gen) for _ in range(2)]).to(torch.uint8)
+    base = every[finite[every.long()]][:200]
+    specials = [c for c in range(256) if not finite[c]] + [0x00, 0x80]
+    runs = [every]
+    for special in specials:
+        for at in (0, 5, 31, 32, 63, 64, 100, 127, 128, 190):
+            codes = base.clone()
+            codes[at] = special
+            runs += [codes[start:start + n] for start, n in ((0, 128), (1, 64), (0, 129), (3, 97), (64, 136))]
+    for c in runs:
+        c = c.contiguous()
+        got, fin = mod.decode_codes(c, table, True, e4m3)
+        assert torch.equal(got.view(torch.int32), bits[c.long()]), (kind, c[:8])
+        assert fin == bool(finite[c.long()].all())
+        got16, fin16 = mod.decode_bf16_codes(c, table, True, e4m3)
+        assert torch.equal(got16, words[c.long()]), (kind, c[:8])
+        assert fin16 == fin
