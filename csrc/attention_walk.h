@@ -306,6 +306,17 @@ void scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* p = src.row(it.b, it.h, c.kv_starts[it.b], k0 + j);
     const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
+    if (c.dec.vbmi && src.per == 32) {
+      int16_t kstep[D / 32];
+      uint32_t knan = 0;
+      for (int64_t g = 0; g < D / 32; ++g) {
+        const int code = sp[g * src.el_st];
+        kstep[g] = e8m0_step(code);
+        knan |= uint32_t(code == 0xFF) << g;
+      }
+      scaled_row_bf16_vbmi(c.dec, p, D, nullptr, kstep, knan, dst + j * D);
+      continue;
+    }
     for (int64_t x = 0; x < D; x += 32) {
       const int code = sp[(x >> src.per_shift) * src.el_st];
       const __mmask32 nan = code == 0xFF ? ~__mmask32(0) : 0;
@@ -603,9 +614,18 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   const int64_t start = c.kv_starts[it.b];
-  if (dc.vbmi && !src.sbase) {  // the rows through the VBMI decoder, then paired
+  if (dc.vbmi) {  // the rows through the VBMI decoder (MXFP8: scaled as they are), then paired
     uint16_t* rows = sc.half(sc.kb);
-    if (!decode_rows(dc, D, src, it.b, it.h, start, k0, k0 + n, rows)) return false;
+    if (!src.sbase) {
+      if (!decode_rows(dc, D, src, it.b, it.h, start, k0, k0 + n, rows)) return false;
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const ScaleRowMemo& m = v_scale_row(src, src.scale_row(it.b, it.h, k0 + j), D, sc.vmemo);
+        if (!m.finite || scaled_row_bf16_vbmi(dc, src.row(it.b, it.h, start, k0 + j), D, m.step, nullptr, 0,
+                                              rows + j * D))
+          return false;
+      }
+    }
     if (n % 2) std::memset(rows + n * D, 0, sizeof(uint16_t) * D);
     for (int64_t i = 0; i < n; i += 2) {
       const uint16_t* r0 = rows + i * D;

@@ -43,6 +43,8 @@ struct Decoder;
 #define QFA_VBMI_FN __attribute__((target("avx512vbmi,avx512bw,avx512f")))
 QFA_VBMI_FN int64_t decode_f32_vbmi(const Decoder& dc, const uint8_t* p, float* d, int64_t n, bool& bad);
 QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16_t* d, int64_t n, bool& bad);
+QFA_VBMI_FN bool scaled_row_bf16_vbmi(const Decoder& dc, const uint8_t* p, int64_t dim, const int16_t* vstep,
+                                      const int16_t* kstep, uint32_t knan, uint16_t* out);
 #endif
 
 struct Decoder {
@@ -528,25 +530,59 @@ QFA_VBMI_FN int64_t decode_f32_vbmi(const Decoder& dc, const uint8_t* p, float* 
   return x;
 }
 
+// Word i of 64 codes' bf16 words in order: lane i / 16 of the unpacked words, the low (a) or
+// high (b) unpack by i % 16.
+alignas(64) constexpr int16_t kVbmiOrder[64] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39, 8,  9,  10, 11, 12, 13,
+    14, 15, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51,
+    52, 53, 54, 55, 24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
+
+// 64 codes to bf16 words in order (n0: codes 0-31, n1: 32-63).
+QFA_VBMI_FN inline void words64_vbmi(const Decoder& dc, const uint8_t* p, __m512i& n0, __m512i& n1, VbmiFlags& f) {
+  __m512i lo, hi;
+  bytes64_vbmi(dc, _mm512_loadu_si512(p), lo, hi, f);
+  const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+  n0 = _mm512_permutex2var_epi16(a, _mm512_load_si512(kVbmiOrder), b);
+  n1 = _mm512_permutex2var_epi16(a, _mm512_load_si512(kVbmiOrder + 32), b);
+}
+
 // The codes [0, n - n % 64) to bf16 words in order; as decode_f32_vbmi.
 QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16_t* d, int64_t n, bool& bad) {
-  // word i of the result: lane i / 16 of the unpacked words, low (a) or high (b) half by i % 16
-  alignas(64) static const int16_t order[64] = {
-      0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39, 8,  9,  10, 11, 12, 13,
-      14, 15, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51,
-      52, 53, 54, 55, 24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
-  const __m512i o0 = _mm512_load_si512(order), o1 = _mm512_load_si512(order + 32);
   VbmiFlags f;
   int64_t x = 0;
   for (; x + 64 <= n; x += 64) {
-    __m512i lo, hi;
-    bytes64_vbmi(dc, _mm512_loadu_si512(p + x), lo, hi, f);
-    const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
-    _mm512_storeu_si512(d + x, _mm512_permutex2var_epi16(a, o0, b));
-    _mm512_storeu_si512(d + x + 32, _mm512_permutex2var_epi16(a, o1, b));
+    __m512i n0, n1;
+    words64_vbmi(dc, p + x, n0, n1, f);
+    _mm512_storeu_si512(d + x, n0);
+    _mm512_storeu_si512(d + x + 32, n1);
   }
   bad = flagged_vbmi(f);
   return x;
+}
+
+// MXFP8: one key row of dim (a multiple of 64) E4M3 codes to bf16 words times their scales, by
+// moving the exponent fields of the normal words (see attention_walk.h's scaled_words, the same
+// rule on 32 codes): V with one step per channel (vstep), or K with one per 32 channels (kstep,
+// knan's bit i: channels 32i .. 32i + 31 have a NaN scale, their words NaN). Returns whether a
+// code is not finite (its word is then the table's, unscaled).
+QFA_VBMI_FN bool scaled_row_bf16_vbmi(const Decoder& dc, const uint8_t* p, int64_t dim, const int16_t* vstep,
+                                      const int16_t* kstep, uint32_t knan, uint16_t* out) {
+  VbmiFlags f;
+  const __m512i field = _mm512_set1_epi16(0x7F80);
+  for (int64_t x = 0; x < dim; x += 64) {
+    __m512i w[2];
+    words64_vbmi(dc, p + x, w[0], w[1], f);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t xs = x + 32 * h;
+      const __m512i step = vstep ? _mm512_load_si512(vstep + xs) : _mm512_set1_epi16(kstep[xs >> 5]);
+      const __m512i e = _mm512_and_si512(w[h], field);
+      const __mmask32 normal = _mm512_test_epi16_mask(e, e) & _mm512_cmpneq_epi16_mask(e, field);
+      __m512i r = _mm512_mask_add_epi16(w[h], normal, w[h], step);
+      if (!vstep && ((knan >> (xs >> 5)) & 1)) r = _mm512_set1_epi16(0x7FC0);
+      _mm512_storeu_si512(out + xs, r);
+    }
+  }
+  return flagged_vbmi(f);
 }
 #endif
 

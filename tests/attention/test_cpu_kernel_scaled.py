@@ -504,3 +504,43 @@ def test_exact_scores_give_the_torch_paths_bits(mode, q_lens, kv_lens, heads, ca
         case = _exact_fp8(q_lens, kv_lens, *heads, seed=sum(kv_lens))
         args, kwargs = fp8_call(case, causal=causal, p_scale=1.0, softmax_scale=1.0)
     _check_same_bits(args, kwargs, monkeypatch)
+
+
+def _vbmi_or_skip() -> None:
+    if cpu_kernel._module.decoder_kind(cpu_kernel._decode_table(), False) != "vbmi":
+        pytest.skip("the decoder's VBMI form needs an AVX-512 build on a CPU with the avx512vbmi flag")
+
+
+@pytest.mark.parametrize("mode", [1, 6, 0])
+def test_the_vbmi_decoder_gives_the_word_lookups_bits(mode, monkeypatch):
+    """The two AVX-512 forms of the decoder build the same operands, so a call gives the same
+    bits with either (QFA_VBMI=0 keeps the vpermt2w word lookups): few-row blocks and many-row
+    ones, NaN codes and scales (mode 1: the scaled rows of both forms), paged and contiguous."""
+    _vbmi_or_skip()
+    if mode == 1:
+        case = mx_case((1, 3, 40), (1500, 700, 300), seed=12)
+        case["k_scales"] = case["k_scales"].clone()
+        case["k_scales"].view(torch.uint8)[30, 1, 2] = mxfp8.E8M0_NAN_CODE
+        args, kwargs = mx_call(case, causal=True)
+    elif mode == 6:
+        case = fp8_case((1, 5, 30), (900, 400, 300), seed=13)
+        v = case["v"].view(torch.uint8).clone()
+        v[int(case["table"][0, 2]), 0, 7, 3] = E4M3_NAN
+        case["v"] = v.view(torch.float8_e4m3fn)
+        args, kwargs = fp8_call(case, causal=True)
+    else:
+        import test_cpu_kernel as t
+
+        plan, hif8_args = t.make(12, 2, (1, 3, 40), (4097, 700, 300), layout="TND", causal=True, seed=14)
+        v = hif8_args[2].clone()
+        v[5, 1, 9] = 0x80
+        hif8_args = (hif8_args[0], hif8_args[1], v, *hif8_args[3:])
+    got = {}
+    for vbmi in ("1", "0"):
+        monkeypatch.setenv("QFA_VBMI", vbmi)
+        if mode == 0:
+            got[vbmi] = cpu_kernel.forward(plan, *hif8_args)
+        else:
+            got[vbmi] = _run(args, kwargs, monkeypatch, native=True)
+    for a, b in zip(got["1"], got["0"]):
+        assert torch.equal(_bits(a), _bits(b))
