@@ -58,7 +58,8 @@ struct Call {
   std::vector<uint16_t*> kb_dec, vb_dec;
   bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
   bool bf16 = false;        // ... as bf16 dot products (AVX512_BF16 builds, when asked)
-  bool bf16_few = false;    // the few-row blocks too (the decoder's wide form: see forward)
+  bool bf16_few = false;    // the few-row blocks too (the decoder's wide form: see forward) ...
+  int min_e8m0 = 0;         // ... MXFP8: where their scales allow (ForwardArgs::min_bf16_e8m0)
   // quant_modes 1 and 6 (0: HiF8): E4M3 codes (dec.e4m3) and P rounded to E4M3. Mode 1's E8M0
   // scales are folded into Q (q_e8m0, per (token, head) ceil(D/32) scales at q_st = (token,
   // head) strides) and into K and V at decode (KvSrc::sbase). Mode 6's fp32 scales are applied
@@ -147,6 +148,21 @@ inline bool fused(const Call& c, int64_t rows) {
 #endif
 }
 
+// Which kernels the last call's blocks ran (bits; the bench names them per row, the tests check
+// the bf16 path really ran): bf16 dot products, the AVX2 tiles or fused kernels, MKL / scalar,
+// the AVX-512 fused kernels.
+// (AVX-512 builds: the few-row kernels are the 16-lane ones, kPathAvx512.)
+constexpr int kPathBf16 = 1, kPathAvx2 = 2, kPathScalar = 4, kPathAvx512 = 8;
+#ifdef QFA_WIDE
+constexpr int kPathFused = kPathAvx512;
+#else
+constexpr int kPathFused = kPathAvx2;
+#endif
+std::atomic<int> last_paths{0};
+inline void ran(int bit) {
+  if (!(last_paths.load(std::memory_order_relaxed) & bit)) last_paths.fetch_or(bit, std::memory_order_relaxed);
+}
+
 // Rows of keys [g0, g0 + n) of the item's block at j0: pre-decoded (pre), or decoded into buf.
 inline const float* key_rows(const Call& c, const Item& it, const KvSrc& src, const float* pre, int64_t j0,
                              int64_t g0, int64_t n, float* buf, ScaleRowMemo& memo) {
@@ -205,14 +221,17 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 }
 
 // S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0 (K pre-decoded or codes).
+// keys [k_first, k_last) of the block only (k_last < 0: all): the bf16 kernel's fallback for
+// one group.
 template <typename L = FusedLanes>
 void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int64_t lo, int64_t R, int64_t nc,
-              Scratch& sc, float* dst) {
+              Scratch& sc, float* dst, int64_t k_first = 0, int64_t k_last = -1) {
   using T = typename L::T;
   constexpr int64_t D = kFusedDim;
   const int64_t BN = c.block_n;
   float* buf = sc.k.get();
-  for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
+  if (k_last >= 0) nc = std::min(nc, k_last);
+  for (int64_t g0 = k_first; g0 < nc; g0 += kGroup) {
     const int64_t n = std::min(kGroup, nc - g0);
     const float* kr = key_rows(c, it, c.k, kpre, j0, g0, n, buf, sc.vmemo);  // (K's scales never use it)
     if (n < kGroup) {  // a short last group: pad with zero keys (their scores are not stored)
@@ -298,7 +317,8 @@ inline __m512i scaled_words(const Decoder& dc, const uint8_t* p, __m512i step, _
 // Keys [k0, k0 + n) of MXFP8's K (one scale per 32 channels) as bf16 rows into dst. A code or
 // scale that is not finite needs no fp32 fallback here: its word is NaN (or Inf), which a dot
 // product propagates as the fp32 one does, whatever the order.
-void scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t* dst) {
+// Returns false where a scale is below c.min_e8m0 (then the group runs fp32; dst is not complete).
+bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t* dst) {
   constexpr int64_t D = kFusedDim;
   const KvSrc& src = c.k;
   const __m512i exc_v = c.dec.exc_word();
@@ -311,6 +331,7 @@ void scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
       uint32_t knan = 0;
       for (int64_t g = 0; g < D / 32; ++g) {
         const int code = sp[g * src.el_st];
+        if (code < c.min_e8m0) return false;
         kstep[g] = e8m0_step(code);
         knan |= uint32_t(code == 0xFF) << g;
       }
@@ -319,11 +340,13 @@ void scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
     }
     for (int64_t x = 0; x < D; x += 32) {
       const int code = sp[(x >> src.per_shift) * src.el_st];
+      if (code < c.min_e8m0) return false;
       const __mmask32 nan = code == 0xFF ? ~__mmask32(0) : 0;
       _mm512_storeu_si512(dst + j * D + x, scaled_words(c.dec, p + x, _mm512_set1_epi16(e8m0_step(code)), nan, big,
                                                         apart, exc_v));
     }
   }
+  return true;
 }
 
 // S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0, from the codes.
@@ -339,7 +362,11 @@ void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_
   for (int64_t g0 = 0; g0 < nc; g0 += kGroup) {
     const int64_t n = std::min(kGroup, nc - g0);
     if (c.k.sbase) {
-      scaled_k_rows_bf16(c, it, j0 + g0, n, kr);
+      if (!scaled_k_rows_bf16(c, it, j0 + g0, n, kr)) {  // a scale below the bound: this group in fp32
+        qk_fused(c, it, nullptr, j0, lo, R, nc, sc, dst, g0, g0 + n);
+        ran(kPathFused);
+        continue;
+      }
     } else {
       decode_rows(c.dec, D, c.k, it.b, it.h, c.kv_starts[it.b], j0 + g0, j0 + g0 + n, kr);
     }
@@ -386,6 +413,20 @@ void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_
 }
 #endif
 
+#ifdef QFA_BF16_DOT
+// MXFP8: whether every scale code of the item's Q rows is at least least.
+inline bool q_scales_at_least(const Call& c, const Item& it, int least) {
+  const int64_t G = c.group, groups = (c.dim + 31) / 32;
+  for (int64_t i = it.t0; i < it.t1; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* sp = c.q_e8m0 + (c.q_starts[it.b] + i) * c.q_st[0] + (it.h * G + g) * c.q_st[1];
+      for (int64_t x = 0; x < groups; ++x)
+        if (sp[x] < least) return false;
+    }
+  return true;
+}
+#endif
+
 // The item's Q tile into sc.q, and as bf16 into sc.qb where its many-row blocks take bf16 dot
 // products (values exact in bf16).
 void load_q(const Call& c, const Item& it, Scratch& sc) {
@@ -393,23 +434,10 @@ void load_q(const Call& c, const Item& it, Scratch& sc) {
 #ifdef QFA_BF16_DOT
   const int64_t R = (it.t1 - it.t0) * c.group;
   if (c.bf16 && (c.bf16_few || !fused(c, R))) to_bf16(sc.q.get(), R * c.dim, sc.half(sc.qb));
+  sc.few_bf16 = c.bf16_few && (!c.q_e8m0 || q_scales_at_least(c, it, c.min_e8m0));
 #endif
 }
 
-// Which kernels the last call's blocks ran (bits; the bench names them per row, the tests check
-// the bf16 path really ran): bf16 dot products, the AVX2 tiles or fused kernels, MKL / scalar,
-// the AVX-512 fused kernels.
-// (AVX-512 builds: the few-row kernels are the 16-lane ones, kPathAvx512.)
-constexpr int kPathBf16 = 1, kPathAvx2 = 2, kPathScalar = 4, kPathAvx512 = 8;
-#ifdef QFA_WIDE
-constexpr int kPathFused = kPathAvx512;
-#else
-constexpr int kPathFused = kPathAvx2;
-#endif
-std::atomic<int> last_paths{0};
-inline void ran(int bit) {
-  if (!(last_paths.load(std::memory_order_relaxed) & bit)) last_paths.fetch_or(bit, std::memory_order_relaxed);
-}
 
 // Scores of block blk for the rows [lo, R) of the item: row r at dst + (r - lo) * block_n.
 // Sets vblk to the block's fp32 V where it is pre-decoded, else to nullptr. Returns nk.
@@ -428,7 +456,7 @@ int64_t scores_of(const Call& c, const Item& it, int64_t blk, int64_t lo, Scratc
 #ifdef QFA_SIMD
   if (fused(c, R - lo)) {  // (with panel GEMMs the pre-decoded K is in panels: decode the codes)
 #ifdef QFA_BF16_DOT
-    if (c.bf16_few) {
+    if (sc.few_bf16) {
       qk_fused_bf16(c, it, j0, lo, R, nc, sc, dst);
       ran(kPathBf16);
       return nk;
@@ -621,7 +649,7 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
     } else {
       for (int64_t j = 0; j < n; ++j) {
         const ScaleRowMemo& m = v_scale_row(src, src.scale_row(it.b, it.h, k0 + j), D, sc.vmemo);
-        if (!m.finite || scaled_row_bf16_vbmi(dc, src.row(it.b, it.h, start, k0 + j), D, m.step, nullptr, 0,
+        if (!m.finite || m.min_code < c.min_e8m0 || scaled_row_bf16_vbmi(dc, src.row(it.b, it.h, start, k0 + j), D, m.step, nullptr, 0,
                                               rows + j * D))
           return false;
       }
@@ -655,13 +683,13 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
     const int16_t* st1 = no_step;
     if (src.sbase) {
       const ScaleRowMemo& m0 = v_scale_row(src, src.scale_row(it.b, it.h, k0 + i), D, sc.vmemo);
-      if (!m0.finite) return false;
+      if (!m0.finite || m0.min_code < c.min_e8m0) return false;
       st0 = st1 = m0.step;
       if (i + 1 < n && ((k0 + i + 1) & 31) == 0) {  // (a pair across two scale rows)
         std::memcpy(sc.pair_step, m0.step, sizeof(sc.pair_step));
         st0 = sc.pair_step;
         const ScaleRowMemo& m1 = v_scale_row(src, src.scale_row(it.b, it.h, k0 + i + 1), D, sc.vmemo);
-        if (!m1.finite) return false;
+        if (!m1.finite || m1.min_code < c.min_e8m0) return false;
         st1 = m1.step;
       }
     }
@@ -713,6 +741,7 @@ void pv_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t nk, int64_
     const int64_t n = std::min(kPairGroup, vis_max - g0);
     if (!v_pairs_bf16(c, it, j0 + g0, n, vp, sc)) {
       pv_fused(c, it, nullptr, j0, nk, lo, R, p, sc, pv, g0, g0 + n);
+      ran(kPathFused);
       continue;
     }
     const int64_t np = (n + 1) / 2;
@@ -866,7 +895,7 @@ void walk(const Call& c, const Item& it, Scratch& sc, float* store) {
 #ifdef QFA_SIMD
     if (fused(c, R - lo)) {
 #ifdef QFA_BF16_DOT
-      if (c.bf16_few) {
+      if (sc.few_bf16) {
         pv_fused_bf16(c, it, j0, nk, lo, R, sblk, sc, sc.pv.get());
       } else {
         pv_fused(c, it, vblk, j0, nk, lo, R, sblk, sc, sc.pv.get());

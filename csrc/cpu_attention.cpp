@@ -143,7 +143,8 @@ void qfa_kernel::forward(const ForwardArgs& a) {
 #endif
 #ifdef QFA_BF16_DOT
   c.bf16 = a.bf16 && c.panel_gemm && c.dec.simd && block_n % kBPanel == 0;
-  c.bf16_few = c.bf16 && c.dec.wide;  // (MXFP8: bf16 only once the host checked its scales)
+  c.bf16_few = c.bf16 && c.dec.wide;
+  c.min_e8m0 = static_cast<int>(a.min_bf16_e8m0);
 #endif
   const int64_t B = static_cast<int64_t>(q_lens.size());
   const int64_t T = std::max<int64_t>(1, a.tile_rows / group);  // query positions per tile

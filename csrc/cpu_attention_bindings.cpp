@@ -104,7 +104,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
              bool fill, int64_t quant_mode, const at::Tensor& e8m0_table, const at::Tensor& q_scale,
              std::vector<int64_t> q_scale_strides, const at::Tensor& k_scale, std::vector<int64_t> k_scale_desc,
              const at::Tensor& v_scale, std::vector<int64_t> v_scale_desc, std::vector<int64_t> v_scale_starts,
-             const at::Tensor& v_descale_heads, double rotate_c) {
+             const at::Tensor& v_descale_heads, double rotate_c, int64_t min_bf16_e8m0) {
   // rotate_c != 0: out is the drop-in's output in its own dtype (ForwardArgs::out_rotated)
   TORCH_CHECK(out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat || (rotate_c != 0 && out.dtype() == at::kHalf),
               rotate_c != 0 ? "out must be fp32, bf16 or fp16" : "out must be bf16 (or fp32)");
@@ -171,6 +171,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   a.k_scale_desc = std::move(k_scale_desc);
   a.v_scale_desc = std::move(v_scale_desc);
   a.v_scale_starts = std::move(v_scale_starts);
+  a.min_bf16_e8m0 = min_bf16_e8m0;
   // What at::parallel_for reads to choose its team: torch's thread count, and whether the call
   // is already inside a parallel region (then it runs on its caller alone).
   a.threads = at::get_num_threads();

@@ -52,6 +52,10 @@ struct ForwardArgs {
   void* out_rotated = nullptr;
   int64_t rotated_dtype = 0;
   double rotate_c = 0;
+  // MXFP8: the least E8M0 scale code for which bf16 dot products are exact (MIN_BF16_E8M0). The
+  // host checks every scale against it when a call has many-row blocks (bf16 then means they
+  // passed); few-row blocks check the scales they read, and run fp32 where one is below it.
+  int64_t min_bf16_e8m0 = 0;
   int64_t threads = 1;   // torch.get_num_threads()
   bool nested = false;   // called inside a parallel region (at::in_parallel_region())
 };

@@ -648,6 +648,7 @@ inline const ScaleRowMemo& v_scale_row(const KvSrc& src, const uint8_t* sp, int6
     for (int64_t x = 0; x < dim; ++x) code[x] = sp[x * src.el_st];
     const __m512 lift = _mm512_set1_ps(Decoder::kE4m3Lift), inf = _mm512_set1_ps(kInf);
     __mmask16 nan_any = 0, inf_any = 0;
+    __m512i least = _mm512_set1_epi32(255);
     for (; x0 + 16 <= dim; x0 += 16) {
       const __m512i ci = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(code + x0)));
       const __m512 f = _mm512_i32gather_ps(ci, src.e8m0, 4);
@@ -658,14 +659,19 @@ inline const ScaleRowMemo& v_scale_row(const KvSrc& src, const uint8_t* sp, int6
                          _mm512_cvtepi32_epi16(_mm512_slli_epi32(_mm512_sub_epi32(ci, _mm512_set1_epi32(kE8m0Bias)),
                                                                  kBf16ExpShift)));  // e8m0_step's rule
       nan_any |= _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+      least = _mm512_min_epi32(least, ci);
       inf_any |= _mm512_cmp_ps_mask(_mm512_abs_ps(lifted), inf, _CMP_EQ_OQ);
     }
     finite = nan_any == 0;
     liftable = inf_any == 0;
+    memo.min_code = _mm512_reduce_min_epi32(least);
+#else
+    memo.min_code = 255;
 #endif
     for (int64_t x = x0; x < dim; ++x) {
       const float f = src.e8m0[sp[x * src.el_st]];
       memo.step[x] = e8m0_step(sp[x * src.el_st]);
+      memo.min_code = std::min<int>(memo.min_code, sp[x * src.el_st]);
       memo.fs[x] = f;
       memo.lifted[x] = f * Decoder::kE4m3Lift;
       finite = finite && !std::isnan(f);

@@ -52,6 +52,7 @@ struct Scratch {
   }
   uint16_t* half(const Buffer& x) { return reinterpret_cast<uint16_t*>(x.get()); }
   ScaleRowMemo vmemo;  // MXFP8: the last V scale row this thread expanded
+  bool few_bf16 = false;  // the item's few-row blocks run bf16 dot products (load_q decides)
   alignas(64) int16_t pair_step[kMaxScaledDim];  // (bf16 V pairs: the first key's steps, across two rows)
   // A split chunk's scores, kept from its pass 1 for its pass 2 (n floats; grown on demand).
   Buffer kept;

@@ -274,7 +274,9 @@ def test_many_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
 def test_few_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
     """Decode-shaped MXFP8 calls (few rows): bf16 dot products on the scaled words where built;
     NaN K and V scales and a NaN V code poison the torch path's rows either way (a V group holding
-    one runs the fp32 chains); a scale below MIN_BF16_E8M0 runs the fp32 kernels."""
+    one runs the fp32 chains); a scale below MIN_BF16_E8M0 sends what reads it to the fp32
+    kernels, checked by the kernel (no host reduction for calls without many-row blocks): a K or V
+    scale its group of keys, a Q scale its item."""
     case = mx_case((1, 3), (1500, 700), seed=11)
     args, kwargs = mx_call(case, causal=True)
     got = _check(1, case, args, kwargs, monkeypatch)
@@ -293,11 +295,19 @@ def test_few_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
     for bf16 in ("1", "0"):
         got_nan = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
         _same_nan_then_close(got_nan[0], want[0], got_nan[1], want[1])
-    small = dict(case, v_scales=[s.clone() for s in case["v_scales"]])
-    small["v_scales"][0].view(torch.uint8)[0, 0, 0] = cpu_kernel.MIN_BF16_E8M0 - 1
-    args, kwargs = mx_call(small, causal=True)
-    got = _check(1, small, args, kwargs, monkeypatch, bf16_modes=("1",))
-    assert "AVX512_BF16" not in got["1"][2]
+    low = cpu_kernel.MIN_BF16_E8M0 - 1
+    for name, where in (("v_scales", (0, 0, 0)), ("k_scales", (100, 1, 3)), ("q_scales", (2, 3, 1))):
+        small = dict(case)
+        if name == "v_scales":
+            small[name] = [s.clone() for s in case[name]]
+            small[name][0].view(torch.uint8)[where] = low
+        else:
+            small[name] = case[name].clone()
+            small[name].view(torch.uint8)[where] = low
+        args, kwargs = mx_call(small, causal=True)
+        got = _check(1, small, args, kwargs, monkeypatch, bf16_modes=("1",))
+        if cpu_kernel._module.has_bf16_dot():
+            assert set(got["1"][2]) == {"AVX512_BF16", "AVX512"}, name
 
 
 # ---------------------------------------------------------------------------- NaN and Inf

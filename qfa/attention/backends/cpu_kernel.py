@@ -467,7 +467,7 @@ def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale.item(), _decode_table(),
         _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table,
         plan.block_size, bool(bf16), fill, 0, _NO_SCALE, _NO_SCALE, [], _NO_SCALE, [], _NO_SCALE, [], [], _NO_SCALE,
-        rotate_c,
+        rotate_c, MIN_BF16_E8M0,
     )
 
 
@@ -610,7 +610,8 @@ def forward_scaled(
         raise ValueError(f"bf16_dot=True needs the AVX512_BF16 build (this CPU's is {cpu_capability()})")
     if mode == QuantMode.MXFP8:
         q_s, q_st, k_s, k_desc, v_s, v_desc, starts = _mxfp8_scales(plan, q_descale, k_descale, v_descale)
-        if bf16_dot:  # bf16 only if exact (three reductions of the scales: a few us)
+        # Many-row blocks run bf16 only if every scale allows it (few-row blocks check their own)
+        if bf16_dot and max(plan.q_lens, default=0) * plan.group > 16:
             bf16_dot = all(int(t.view(torch.uint8).min()) >= MIN_BF16_E8M0 for t in (q_s, k_s, v_s) if t.numel())
         args = (1, _e8m0_table(), q_s, q_st, k_s, k_desc, v_s, v_desc, starts, _NO_SCALE)
         v_scalar = 1.0
@@ -627,7 +628,7 @@ def forward_scaled(
         lse, lse_strides, plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
         plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_scalar, _e4m3_table(), _ROUND_CONSTS,
         tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table, plan.block_size,
-        bool(bf16_dot), True, *args, 0.0,
+        bool(bf16_dot), True, *args, 0.0, MIN_BF16_E8M0,
     )
     return out, lse
 
