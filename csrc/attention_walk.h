@@ -59,7 +59,7 @@ struct Call {
   bool panel_gemm = false;  // many-row blocks run the register-tiled GEMMs (AVX2 builds, D = 128)
   bool bf16 = false;        // ... as bf16 dot products (AVX512_BF16 builds, when asked)
   bool bf16_few = false;    // the few-row blocks too (the decoder's wide form: see forward) ...
-  int min_e8m0 = 0;         // ... MXFP8: where their scales allow (ForwardArgs::min_bf16_e8m0)
+  int min_e8m0 = 0, max_e8m0 = 0;  // ... MXFP8: where their scales lie in [min, max] (see forward)
   // quant_modes 1 and 6 (0: HiF8): E4M3 codes (dec.e4m3) and P rounded to E4M3. Mode 1's E8M0
   // scales are folded into Q (q_e8m0, per (token, head) ceil(D/32) scales at q_st = (token,
   // head) strides) and into K and V at decode (KvSrc::sbase). Mode 6's fp32 scales are applied
@@ -321,6 +321,7 @@ inline __m512i scaled_words(const Decoder& dc, const uint8_t* p, __m512i step, _
 bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t* dst) {
   constexpr int64_t D = kFusedDim;
   const KvSrc& src = c.k;
+  if (src.st[3] != 1) return false;  // (the codes are loaded as runs along D)
   const __m512i exc_v = c.dec.exc_word();
   __m512i big = _mm512_setzero_si512(), apart = _mm512_set1_epi16(-1);
   for (int64_t j = 0; j < n; ++j) {
@@ -331,7 +332,7 @@ bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
       uint32_t knan = 0;
       for (int64_t g = 0; g < D / 32; ++g) {
         const int code = sp[g * src.el_st];
-        if (code < c.min_e8m0) return false;
+        if (code < c.min_e8m0 || (code > c.max_e8m0 && code != 0xFF)) return false;
         kstep[g] = e8m0_step(code);
         knan |= uint32_t(code == 0xFF) << g;
       }
@@ -340,7 +341,7 @@ bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
     }
     for (int64_t x = 0; x < D; x += 32) {
       const int code = sp[(x >> src.per_shift) * src.el_st];
-      if (code < c.min_e8m0) return false;
+      if (code < c.min_e8m0 || (code > c.max_e8m0 && code != 0xFF)) return false;
       const __mmask32 nan = code == 0xFF ? ~__mmask32(0) : 0;
       _mm512_storeu_si512(dst + j * D + x, scaled_words(c.dec, p + x, _mm512_set1_epi16(e8m0_step(code)), nan, big,
                                                         apart, exc_v));
@@ -649,7 +650,7 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
     } else {
       for (int64_t j = 0; j < n; ++j) {
         const ScaleRowMemo& m = v_scale_row(src, src.scale_row(it.b, it.h, k0 + j), D, sc.vmemo);
-        if (!m.finite || m.min_code < c.min_e8m0 || scaled_row_bf16_vbmi(dc, src.row(it.b, it.h, start, k0 + j), D, m.step, nullptr, 0,
+        if (!m.finite || m.min_code < c.min_e8m0 || m.max_code > c.max_e8m0 || scaled_row_bf16_vbmi(dc, src.row(it.b, it.h, start, k0 + j), D, m.step, nullptr, 0,
                                               rows + j * D))
           return false;
       }
@@ -682,14 +683,16 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
     const int16_t* st0 = no_step;
     const int16_t* st1 = no_step;
     if (src.sbase) {
-      const ScaleRowMemo& m0 = v_scale_row(src, src.scale_row(it.b, it.h, k0 + i), D, sc.vmemo);
-      if (!m0.finite || m0.min_code < c.min_e8m0) return false;
+      const uint8_t* sp0 = src.scale_row(it.b, it.h, k0 + i);
+      const ScaleRowMemo& m0 = v_scale_row(src, sp0, D, sc.vmemo);
+      if (!m0.finite || m0.min_code < c.min_e8m0 || m0.max_code > c.max_e8m0) return false;
       st0 = st1 = m0.step;
-      if (i + 1 < n && ((k0 + i + 1) & 31) == 0) {  // (a pair across two scale rows)
+      const uint8_t* sp1 = i + 1 < n ? src.scale_row(it.b, it.h, k0 + i + 1) : sp0;
+      if (sp1 != sp0) {  // a pair across two scale rows (the memo holds one: keep the first's steps)
         std::memcpy(sc.pair_step, m0.step, sizeof(sc.pair_step));
         st0 = sc.pair_step;
-        const ScaleRowMemo& m1 = v_scale_row(src, src.scale_row(it.b, it.h, k0 + i + 1), D, sc.vmemo);
-        if (!m1.finite || m1.min_code < c.min_e8m0) return false;
+        const ScaleRowMemo& m1 = v_scale_row(src, sp1, D, sc.vmemo);
+        if (!m1.finite || m1.min_code < c.min_e8m0 || m1.max_code > c.max_e8m0) return false;
         st1 = m1.step;
       }
     }

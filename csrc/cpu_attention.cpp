@@ -144,7 +144,18 @@ void qfa_kernel::forward(const ForwardArgs& a) {
 #ifdef QFA_BF16_DOT
   c.bf16 = a.bf16 && c.panel_gemm && c.dec.simd && block_n % kBPanel == 0;
   c.bf16_few = c.bf16 && c.dec.wide;
-  c.min_e8m0 = static_cast<int>(a.min_bf16_e8m0);
+#ifdef QFA_WIDE
+  if (quant_mode == 1) {
+    // MXFP8's bf16 words are scaled by moving their exponent fields: exact while a scaled value's
+    // field stays below 255 (no Inf) and every product of two scaled values is a normal fp32
+    // (vdpbf16ps flushes subnormals): bounds on the scale code from the table's own fields, the
+    // host's MIN_BF16_E8M0 held to the lower one.
+    // s = code - 127: 2 (min_field - 127 + s) >= -126 for the products, min_field + s <= 254 above
+    const int low = 127 + 64 - c.dec.min_field;
+    c.min_e8m0 = std::max(static_cast<int>(a.min_bf16_e8m0), low);
+    c.max_e8m0 = 127 + 254 - c.dec.max_field;
+  }
+#endif
 #endif
   const int64_t B = static_cast<int64_t>(q_lens.size());
   const int64_t T = std::max<int64_t>(1, a.tile_rows / group);  // query positions per tile

@@ -72,6 +72,9 @@ struct Decoder {
   // (QFA_VBMI=0 keeps the vpermt2w lookups, for the tests).
   __m512i hb[2], lb[2];
   bool vbmi = false;
+  // The exponent fields of the table's finite words: the largest, and the smallest of a nonzero
+  // one (MXFP8's exponent moves stay exact within bounds derived from them; see attention_walk.h).
+  int max_field = 0, min_field = 0;
 #endif
 
   // Codes the affine rule leaves to the table.
@@ -314,6 +317,16 @@ struct Decoder {
       ok = ok && !flagged && !finite && exc < 0;
       exc = x;
     }
+    max_field = 0;
+    min_field = 255;
+    bool top_free = true;  // no finite word with a high byte of 0x7F (VBMI flags that byte)
+    for (int x = 0; x < 128; ++x) {
+      const int field = m[x] >> 7;
+      if (field == 0xFF) continue;
+      max_field = std::max(max_field, field);
+      if (m[x]) min_field = std::min(min_field, field);
+      top_free = top_free && (m[x] >> 8) != 0x7F;
+    }
     wide = ok;
     for (int i = 0; i < 4; ++i) mag[i] = _mm512_load_si512(m + 32 * i);
     alignas(64) uint8_t hi[128], lo[128];
@@ -326,7 +339,7 @@ struct Decoder {
       lb[i] = _mm512_load_si512(lo + 64 * i);
     }
     const char* off = std::getenv("QFA_VBMI");
-    vbmi = wide && __builtin_cpu_supports("avx512vbmi") && !(off && std::strcmp(off, "0") == 0);
+    vbmi = wide && top_free && __builtin_cpu_supports("avx512vbmi") && !(off && std::strcmp(off, "0") == 0);
   }
 
   // 32 contiguous codes to their bf16 patterns: in order, or (Spread) with codes 4L .. 4L + 3
@@ -648,7 +661,7 @@ inline const ScaleRowMemo& v_scale_row(const KvSrc& src, const uint8_t* sp, int6
     for (int64_t x = 0; x < dim; ++x) code[x] = sp[x * src.el_st];
     const __m512 lift = _mm512_set1_ps(Decoder::kE4m3Lift), inf = _mm512_set1_ps(kInf);
     __mmask16 nan_any = 0, inf_any = 0;
-    __m512i least = _mm512_set1_epi32(255);
+    __m512i least = _mm512_set1_epi32(255), most = _mm512_setzero_si512();
     for (; x0 + 16 <= dim; x0 += 16) {
       const __m512i ci = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(code + x0)));
       const __m512 f = _mm512_i32gather_ps(ci, src.e8m0, 4);
@@ -660,18 +673,22 @@ inline const ScaleRowMemo& v_scale_row(const KvSrc& src, const uint8_t* sp, int6
                                                                  kBf16ExpShift)));  // e8m0_step's rule
       nan_any |= _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
       least = _mm512_min_epi32(least, ci);
+      most = _mm512_mask_max_epi32(most, _mm512_cmpneq_epi32_mask(ci, _mm512_set1_epi32(255)), most, ci);
       inf_any |= _mm512_cmp_ps_mask(_mm512_abs_ps(lifted), inf, _CMP_EQ_OQ);
     }
     finite = nan_any == 0;
     liftable = inf_any == 0;
     memo.min_code = _mm512_reduce_min_epi32(least);
+    memo.max_code = _mm512_reduce_max_epi32(most);
 #else
     memo.min_code = 255;
+    memo.max_code = 0;
 #endif
     for (int64_t x = x0; x < dim; ++x) {
       const float f = src.e8m0[sp[x * src.el_st]];
       memo.step[x] = e8m0_step(sp[x * src.el_st]);
       memo.min_code = std::min<int>(memo.min_code, sp[x * src.el_st]);
+      if (sp[x * src.el_st] != 0xFF) memo.max_code = std::max<int>(memo.max_code, sp[x * src.el_st]);
       memo.fs[x] = f;
       memo.lifted[x] = f * Decoder::kE4m3Lift;
       finite = finite && !std::isnan(f);

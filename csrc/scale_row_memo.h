@@ -30,7 +30,8 @@ struct ScaleRowMemo {
   // (e - 127) << 7 of each scale code e: what times 2^(e - 127) adds to a bf16 word's bits (the
   // bf16 few-row kernels; meaningless for a NaN scale, where finite is false)
   alignas(64) int16_t step[kMaxScaledDim];
-  int min_code = 0;  // the row's least scale code (bf16 needs MIN_BF16_E8M0 at least)
+  int min_code = 0;  // the row's least scale code (bf16 needs MIN_BF16_E8M0 at least) ...
+  int max_code = 0;  // ... and its largest but NaN's (the exponent moves stay below Inf)
 };
 
 constexpr int kE8m0Bias = 127, kBf16ExpShift = 7;  // E8M0's exponent bias; bf16's exponent field's place

@@ -554,3 +554,64 @@ def test_the_vbmi_decoder_gives_the_word_lookups_bits(mode, monkeypatch):
             got[vbmi] = _run(args, kwargs, monkeypatch, native=True)
     for a, b in zip(got["1"], got["0"]):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def _every_other(x: torch.Tensor) -> torch.Tensor:
+    """x's codes every other byte along the head dim (a view with stride 2 there)."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=torch.uint8)
+    wide[..., ::2] = x.view(torch.uint8)
+    return wide[..., ::2].view(x.dtype)
+
+
+def test_mxfp8_dim_strided_codes_give_the_contiguous_bits(monkeypatch):
+    """Q, K and V codes every other byte along the head dim give a few-row MXFP8 call the
+    contiguous codes' bits (the scaled K rows of the bf16 kernels read runs along D: strided rows
+    take the fp32 kernels' decode)."""
+    case = mx_case((1, 3), (700, 300), seed=15)
+    args, kwargs = mx_call(case, causal=True)
+    want = _run(args, kwargs, monkeypatch, native=True)
+    strided = tuple(_every_other(t) for t in args[:3])
+    assert all(t.stride(-1) == 2 for t in strided)
+    got = _run((*strided, *args[3:]), kwargs, monkeypatch, native=True)
+    for a, b in zip(got, want):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_mxfp8_scales_beyond_the_exponent_bound_leave_the_bf16_words(which, monkeypatch):
+    """A direct caller of forward_scaled (the op's value checks refuse E8M0 codes above 246)
+    with a scale past the bound over a value of 448: fp32 overflows to Inf there, where the bf16
+    few-row kernels' exponent move would give NaN (K, 2^120) or wrap into a finite value (V,
+    2^123), so such a group runs the fp32 kernels. K: the key's score is -Inf (q is -1 in that
+    channel and 0 beside it), so the rows stay finite; V: the output channel is not finite."""
+    from qfa.tiling import attention as tiling
+
+    case = mx_case((1, 3), (700, 300), seed=16)
+    args, kwargs = mx_call(case, causal=True)
+    kw = {k: v for k, v in kwargs.items() if k != "backend"}
+    q, k, v, qd, kd, vd, _ = args
+    q, k, v, kd, vd = (t.view(torch.uint8).clone() for t in (q, k, v, kd, vd))
+    if which == "v":  # sequence 0, kv head 1, channel 3, keys 0-31: 1.0 but key 10, 448
+        v[0:32, 1, 3] = ONE
+        v[10, 1, 3] = 0x7E
+        vd[0, 1, 3, 0] = 250
+    else:  # sequence 0, key 5, kv head 0, channels 32-63: 1.0 but channel 40, 448; q -1 there
+        k[5, 0, 32:64] = ONE
+        k[5, 0, 40] = 0x7E
+        kd[5, 0, 0, 1] = 247
+        q[0, 0:2, 32:64] = 0
+        q[0, 0:2, 40] = MINUS_ONE
+    e4m3 = torch.float8_e4m3fn
+    q, k, v = (t.view(e4m3) for t in (q, k, v))
+    kd, vd = kd.view(args[4].dtype), vd.view(args[5].dtype)
+    plan = tiling.plan_attention(q, k, v, qd, args[4], args[5], 1, layout="TND", **kw)
+    got = {bf16: cpu_kernel.forward_scaled(plan, q, k, v, qd, kd, vd, kw["p_scale"], bf16_dot=bf16)
+           for bf16 in (True, False)}
+    out = got[False][0].float()
+    if which == "v":
+        assert not torch.isfinite(out[0, 2:4, 3]).any()
+    else:
+        assert torch.isfinite(out[0, 0:2]).all()
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(torch.isnan(a.float()), torch.isnan(b.float()))
+        assert torch.equal(torch.isinf(a.float()), torch.isinf(b.float()))
