@@ -436,10 +436,9 @@ void qfa_kernel::forward(const ForwardArgs& a) {
   });
 }
 
-// The kernel's decoder on its own, for the tests: fp32 values of n codes into out (the SIMD body
-// and the scalar tail both run), and whether all are finite; e4m3: its E4M3 form (modes 1, 6).
-bool qfa_kernel::decode_codes(const uint8_t* codes, int64_t n, const float* decode_table, bool simd, bool e4m3,
-                              float* out) {
+namespace {
+// The tests' decoder for a table: the kernel's, or (simd false) its scalar lookups alone.
+Decoder probe_decoder(const float* decode_table, bool e4m3, bool simd) {
   Decoder dc;
   dc.init(decode_table, e4m3);
   dc.simd = dc.simd && simd;
@@ -447,20 +446,21 @@ bool qfa_kernel::decode_codes(const uint8_t* codes, int64_t n, const float* deco
   dc.wide = dc.wide && simd;
   dc.vbmi = dc.vbmi && simd;
 #endif
-  return dc.decode(codes, 1, out, n);
+  return dc;
+}
+}  // namespace
+
+// The kernel's decoder on its own, for the tests: fp32 values of n codes into out (the SIMD body
+// and the scalar tail both run), and whether all are finite; e4m3: its E4M3 form (modes 1, 6).
+bool qfa_kernel::decode_codes(const uint8_t* codes, int64_t n, const float* decode_table, bool simd, bool e4m3,
+                              float* out) {
+  return probe_decoder(decode_table, e4m3, simd).decode(codes, 1, out, n);
 }
 
 // The same to bf16 words (the bf16 dot products' operands).
 bool qfa_kernel::decode_codes_bf16(const uint8_t* codes, int64_t n, const float* decode_table, bool simd, bool e4m3,
                                    uint16_t* out) {
-  Decoder dc;
-  dc.init(decode_table, e4m3);
-  dc.simd = dc.simd && simd;
-#ifdef QFA_WIDE
-  dc.wide = dc.wide && simd;
-  dc.vbmi = dc.vbmi && simd;
-#endif
-  return dc.decode_bf16(codes, 1, out, n);
+  return probe_decoder(decode_table, e4m3, simd).decode_bf16(codes, 1, out, n);
 }
 
 // Which form of the decoder runs for this table here (tests): "vbmi" (the byte lookups), "wide"

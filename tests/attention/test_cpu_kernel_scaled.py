@@ -289,12 +289,7 @@ def test_few_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
     v = case["v"].view(torch.uint8).clone()
     v[1500 + 650, 0, 5] = E4M3_NAN  # sequence 1, key 650
     bad["v"] = v.view(torch.float8_e4m3fn)
-    args, kwargs = mx_call(bad, causal=True)
-    want = _run(args, kwargs, monkeypatch, native=False)
-    assert torch.isnan(want[0].float()).any()
-    for bf16 in ("1", "0"):
-        got_nan = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
-        _same_nan_then_close(got_nan[0], want[0], got_nan[1], want[1])
+    _nan_as_the_torch_path(*mx_call(bad, causal=True), monkeypatch)
     low = cpu_kernel.MIN_BF16_E8M0 - 1
     for name, where in (("v_scales", (0, 0, 0)), ("k_scales", (100, 1, 3)), ("q_scales", (2, 3, 1))):
         small = dict(case)
@@ -311,6 +306,16 @@ def test_few_row_blocks_take_bf16_dot_products_where_built(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- NaN and Inf
+
+
+def _nan_as_the_torch_path(args, kwargs, monkeypatch) -> None:
+    """The call's NaN pattern (which it must have) is the torch path's, and the rest close to
+    it, with the bf16 dot products and without."""
+    want = _run(args, kwargs, monkeypatch, native=False)
+    assert torch.isnan(want[0].float()).any()
+    for bf16 in ("1", "0"):
+        got = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
+        _same_nan_then_close(got[0], want[0], got[1], want[1])
 
 
 def _same_nan_then_close(out, want, lse, want_lse):
@@ -331,12 +336,7 @@ def test_nan_codes_and_scales_reach_the_torch_paths_rows(monkeypatch):
     v = case["v"].view(torch.uint8).clone()
     v[595, 1, 7] = E4M3_NAN
     case["v"] = v.view(torch.float8_e4m3fn)
-    args, kwargs = mx_call(case, causal=True)
-    want = _run(args, kwargs, monkeypatch, native=False)
-    assert torch.isnan(want[0].float()).any()
-    for bf16 in ("1", "0"):
-        got = _run(args, kwargs, monkeypatch, native=True, bf16=bf16)
-        _same_nan_then_close(got[0], want[0], got[1], want[1])
+    _nan_as_the_torch_path(*mx_call(case, causal=True), monkeypatch)
     # mode 6: a NaN v_descale (head 1), a NaN k scale and a NaN V element
     case = fp8_case((30, 1), (400, 300), seed=7)
     case["v_scales"] = case["v_scales"].clone()
