@@ -302,16 +302,12 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
 // only after checking them, and the kernel moves the words' exponents (scaled_words).
 constexpr int64_t kPairGroup = 64;  // keys of V decoded as pairs at a time (16 KB of bf16)
 
-// MXFP8 (quant_mode 1): 32 E4M3 codes' bf16 words times 2^(step / 128) per lane, by moving the
-// exponent field (exact: the host asked for bf16 only where every scaled value and every product
-// of two is a normal, MIN_BF16_E8M0); zero and non-finite words stay as they are (flagged in
-// big / apart), and lanes of a NaN scale (nan) become NaN.
+// MXFP8 (quant_mode 1): 32 E4M3 codes' bf16 words times their scales (move_exponents); the
+// non-finite codes flagged in big / apart, lanes of a NaN scale (nan) NaN.
 inline __m512i scaled_words(const Decoder& dc, const uint8_t* p, __m512i step, __mmask32 nan, __m512i& big,
                             __m512i& apart, __m512i exc_v) {
-  const __m512i w = dc.words_wide<false>(p, big, apart, exc_v);
-  const __m512i e = _mm512_and_si512(w, _mm512_set1_epi16(0x7F80));
-  const __mmask32 normal = _mm512_test_epi16_mask(e, e) & _mm512_cmpneq_epi16_mask(e, _mm512_set1_epi16(0x7F80));
-  return _mm512_mask_mov_epi16(_mm512_mask_add_epi16(w, normal, w, step), nan, _mm512_set1_epi16(0x7FC0));
+  return _mm512_mask_mov_epi16(move_exponents(dc.words_wide<false>(p, big, apart, exc_v), step), nan,
+                               _mm512_set1_epi16(0x7FC0));
 }
 
 // Keys [k0, k0 + n) of MXFP8's K (one scale per 32 channels) as bf16 rows into dst. A code or

@@ -369,6 +369,17 @@ struct Decoder {
            _mm512_cmpeq_epi16_mask(apart, _mm512_setzero_si512()) != 0;
   }
 
+  // 16 E4M3 codes as e4m3_lowered makes them, on 16 lanes: 2^-8 times their values; sets bad's
+  // lanes of the NaN codes.
+  static inline __m512 e4m3_lowered16(const uint8_t* p, __mmask16& bad) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                                       _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    const __m128i m7f = _mm_set1_epi8(0x7F);
+    bad |= _mm_cmpeq_epi8_mask(_mm_and_si128(c, m7f), m7f);
+    return _mm512_cvtph_ps(h);
+  }
+
   // The codes [0, n - n % 32) to fp32 (HiF8: the words widened; E4M3: the fp16 route, 16 codes at a
   // time); returns the count done, and whether a code's value is not finite (then wrong here).
   inline int64_t decode_wide(const uint8_t* p, float* d, int64_t n, bool& bad_any) const {
@@ -376,14 +387,7 @@ struct Decoder {
     if (e4m3) {
       __mmask16 bad = 0;
       const __m512 lift = _mm512_set1_ps(kE4m3Lift);
-      const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xBF80));
-      const __m128i m7f = _mm_set1_epi8(0x7F);
-      for (; x + 16 <= n; x += 16) {
-        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x));
-        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7), keep);
-        _mm512_storeu_ps(d + x, _mm512_mul_ps(_mm512_cvtph_ps(h), lift));
-        bad |= _mm_cmpeq_epi8_mask(_mm_and_si128(c, m7f), m7f);
-      }
+      for (; x + 16 <= n; x += 16) _mm512_storeu_ps(d + x, _mm512_mul_ps(e4m3_lowered16(p + x, bad), lift));
       bad_any = bad != 0;
       return x;
     }
@@ -411,13 +415,10 @@ struct Decoder {
   // 32 E4M3 codes to fp32, value i times lane i % 16 of lifted[i / 16] (decode32_e4m3_scaled's
   // 16-lane form).
   inline __mmask32 decode32_e4m3_scaled(const uint8_t* p, float* d, const __m512* lifted) const {
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(c), 7),
-                                       _mm512_set1_epi16(static_cast<short>(0xBF80)));
-    _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), lifted[0]));
-    _mm512_storeu_ps(d + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), lifted[1]));
-    const __m256i m7f = _mm256_set1_epi8(0x7F);
-    return _mm256_cmpeq_epi8_mask(_mm256_and_si256(c, m7f), m7f);
+    __mmask16 bad0 = 0, bad1 = 0;
+    _mm512_storeu_ps(d, _mm512_mul_ps(e4m3_lowered16(p, bad0), lifted[0]));
+    _mm512_storeu_ps(d + 16, _mm512_mul_ps(e4m3_lowered16(p + 16, bad1), lifted[1]));
+    return static_cast<__mmask32>(bad0 | (uint32_t(bad1) << 16));
   }
 #endif
 
@@ -504,6 +505,16 @@ struct Decoder {
 // the sign goes into the high byte, and vpunpck{l,h}bw make words, 8 codes of each 16 per
 // 128-bit lane. A high byte of 0x7F (0x7F80 and up: Inf, NaN) flags the range for the table, as
 // does exc.
+// MXFP8: bf16 words times 2^(step / 128) per lane, by moving the exponent fields of the normal
+// words (zero and non-finite words stay as they are). Exact where every result's field stays in
+// 1 .. 254: the callers check the scales against bounds derived from the table (cpu_attention.cpp).
+inline __m512i move_exponents(__m512i w, __m512i step) {
+  const __m512i field = _mm512_set1_epi16(0x7F80);
+  const __m512i e = _mm512_and_si512(w, field);
+  const __mmask32 normal = _mm512_test_epi16_mask(e, e) & _mm512_cmpneq_epi16_mask(e, field);
+  return _mm512_mask_add_epi16(w, normal, w, step);
+}
+
 struct VbmiFlags {
   __m512i big = _mm512_setzero_si512();  // the largest high byte seen, sign cleared
   __m512i apart = _mm512_set1_epi8(-1);  // the smallest code ^ exc seen (0: exc met)
@@ -573,24 +584,20 @@ QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16
   return x;
 }
 
-// MXFP8: one key row of dim (a multiple of 64) E4M3 codes to bf16 words times their scales, by
-// moving the exponent fields of the normal words (see attention_walk.h's scaled_words, the same
-// rule on 32 codes): V with one step per channel (vstep), or K with one per 32 channels (kstep,
+// MXFP8: one key row of dim (a multiple of 64) E4M3 codes to bf16 words times their scales
+// (move_exponents): V with one step per channel (vstep), or K with one per 32 channels (kstep,
 // knan's bit i: channels 32i .. 32i + 31 have a NaN scale, their words NaN). Returns whether a
 // code is not finite (its word is then the table's, unscaled).
 QFA_VBMI_FN bool scaled_row_bf16_vbmi(const Decoder& dc, const uint8_t* p, int64_t dim, const int16_t* vstep,
                                       const int16_t* kstep, uint32_t knan, uint16_t* out) {
   VbmiFlags f;
-  const __m512i field = _mm512_set1_epi16(0x7F80);
   for (int64_t x = 0; x < dim; x += 64) {
     __m512i w[2];
     words64_vbmi(dc, p + x, w[0], w[1], f);
     for (int h = 0; h < 2; ++h) {
       const int64_t xs = x + 32 * h;
       const __m512i step = vstep ? _mm512_load_si512(vstep + xs) : _mm512_set1_epi16(kstep[xs >> 5]);
-      const __m512i e = _mm512_and_si512(w[h], field);
-      const __mmask32 normal = _mm512_test_epi16_mask(e, e) & _mm512_cmpneq_epi16_mask(e, field);
-      __m512i r = _mm512_mask_add_epi16(w[h], normal, w[h], step);
+      __m512i r = move_exponents(w[h], step);
       if (!vstep && ((knan >> (xs >> 5)) & 1)) r = _mm512_set1_epi16(0x7FC0);
       _mm512_storeu_si512(out + xs, r);
     }
