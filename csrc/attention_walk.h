@@ -131,8 +131,8 @@ inline int64_t columns(const Call& c, const Item& it, int64_t j0, int64_t nk) {
 // With a handful of rows (new tokens x the GQA group), a GEMM call per block is mostly overhead
 // and the decode of K and V dominates. These kernels decode 8 keys at a time into an L1 buffer
 // and run the dot products from there, in a fixed order (lanes of 8 dims, or 16 folded to 8 in
-// the AVX-512 builds, then a fixed add tree; keys in ascending order for P @ V). Whether a block takes this path depends only on
-// the item's shape, so the bits never depend on the thread count.
+// the AVX-512 builds, then a fixed add tree; keys in ascending order for P @ V). Whether a block
+// takes this path depends only on the item's shape, so the bits never depend on the thread count.
 constexpr int64_t kFusedRows = 16;
 constexpr int64_t kGroup = 8;  // keys per decoded group of K
 // ... and of V: P V's accumulators go through memory once per group (its rows' sums outnumber
@@ -297,9 +297,10 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
 // numbers): K and V decoded straight to bf16 (no widening, half the bytes), each vdpbf16ps two
 // products a lane. S: a dot product's lanes are the dim pairs (2d, 2d + 1) of 32-dim steps,
 // folded to 8 lanes and the fused kernels' add tree. P V: each output element is its row's chain
-// over key pairs in ascending order. MXFP8's scaled values are bf16 normals, and their products
-// fp32 normals, only for scales of at least MIN_BF16_E8M0 (cpu_kernel.py): the host asks for bf16
-// only after checking them, and the kernel moves the words' exponents (scaled_words).
+// over key pairs in ascending order. MXFP8's scales are applied by moving the words' exponent
+// fields (move_exponents), exact for scale codes within bounds from the table (Call::min_e8m0,
+// max_e8m0, see forward): these kernels check the scales they read, and a Q scale outside them
+// sends its item to the fp32 kernels, a K or V scale its group of keys.
 constexpr int64_t kPairGroup = 64;  // keys of V decoded as pairs at a time (16 KB of bf16)
 
 // MXFP8 (quant_mode 1): 32 E4M3 codes' bf16 words times their scales (move_exponents); the
