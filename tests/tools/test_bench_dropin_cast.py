@@ -29,7 +29,7 @@ def test_bench_dropin_rows_and_verdicts(monkeypatch, capsys):
     busy = {128: {"qfa": 0.02, "sdpa": 0.01, "prep": 0.004}, 1024: {"qfa": 0.030, "sdpa": 0.050, "prep": 0.003}}
     seen = []
 
-    def fake_medians(fns):
+    def fake_medians(fns, clock):
         seq = seen[-1]
         for fn in fns.values():  # each call really runs once
             fn()
@@ -62,6 +62,29 @@ def test_bench_dropin_rows_and_verdicts(monkeypatch, capsys):
     assert "speed target (qfa <= 1.0x SDPA from S = 1024): 1/1 rows met" in out
     assert "preparation target (<= 15% of the call from S = 1024): 1/1 rows met" in out
     assert "load target (qfa busy / quiet <= SDPA busy / quiet from S = 1024): 1/1 rows met" in out
+
+
+def test_prep_clock_times_the_preparation_inside_the_drop_in_call():
+    """The clock counts the native passes run inside each drop-in call (and nothing else: SDPA's
+    calls record nothing), and puts the module's functions back, also when a call raises."""
+    from qfa.dropin import prepare
+
+    saved = prepare.quantized_inputs, prepare.restore_output
+    q, k, v = bench_dropin.inputs(torch.float32, 256, (2, 1))
+    clock = bench_dropin.PrepClock()
+    fns = bench_dropin.row_calls(q, k, v, clock)
+    with clock.installed():
+        start = bench_dropin.time.perf_counter()
+        fns["qfa"]()
+        whole = bench_dropin.time.perf_counter() - start
+        fns["sdpa"]()
+    assert len(clock.calls) == 1 and 0 < clock.calls[0] < whole
+    assert (prepare.quantized_inputs, prepare.restore_output) == saved
+    with pytest.raises(ZeroDivisionError), clock.installed():
+        1 / 0
+    assert (prepare.quantized_inputs, prepare.restore_output) == saved
+    fns["qfa"]()  # outside the block nothing is counted
+    assert len(clock.calls) == 2 and clock.calls[1] == 0.0
 
 
 def test_bench_cast_names_the_path_and_counts_sizes_from_1m(monkeypatch, capsys):

@@ -4,11 +4,13 @@ The drop-in takes float Q/K/V, so its time includes the preparation (K means, ro
 encoding) and the output's un-rotation and cast; ``quant_flash_attn`` alone is measured by
 ``qfa bench attention``. Each row (one dtype, one S; B = 1, causal, BNSD, ``--heads``) times, in
 turns (one call of each per round, median of rounds: a shared host's slow minutes fall on all
-alike): the drop-in, ``scaled_dot_product_attention`` on the same tensors, and the drop-in's
-preparation alone (:func:`qfa.dropin.prepare.quantized_inputs`: q, k and v's passes), whose
-share of the call is reported. Where the native attention kernel runs, it un-rotates the output
-as it writes it (:class:`~qfa.attention.backends.cpu_kernel.RotatedOutput`), inside the op's
-time; elsewhere the preparation includes that pass too (:func:`~qfa.dropin.prepare.restore_output`). ``--load``
+alike): the drop-in and ``scaled_dot_product_attention`` on the same tensors. The drop-in's
+preparation (:func:`qfa.dropin.prepare.quantized_inputs`: q, k and v's passes) is timed inside
+those same calls (:class:`PrepClock`), so its share compares like with like: a preparation timed
+apart, after SDPA, ran cache-cold against a call timed warm after it. Where the native attention
+kernel runs, it un-rotates the output as it writes it
+(:class:`~qfa.attention.backends.cpu_kernel.RotatedOutput`), inside the op's time; elsewhere the
+preparation includes that pass too (:func:`~qfa.dropin.prepare.restore_output`). ``--load``
 times them again while a busy-loop process occupies one core, beside their quiet times. The first-call line runs one call in a fresh process (extensions already built) and says
 whether anything was compiled by TorchInductor there.
 """
@@ -16,7 +18,9 @@ whether anything was compiled by TorchInductor there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -80,46 +84,81 @@ def inputs(dtype: torch.dtype, seq: int, heads: tuple[int, int]) -> tuple[torch.
     return tuple(t.to(dtype) for t in llm_like_qkv(1, heads[0], heads[1], seq, seed=seq))
 
 
-def row_calls(q, k, v) -> dict:
-    """The timed calls of a row: the drop-in, SDPA, and the drop-in's preparation alone."""
+class PrepClock:
+    """The drop-in's preparation timed inside its own calls: the native passes
+    (:func:`qfa.dropin.prepare.quantized_inputs`) and the output's un-rotation where it is a pass
+    of its own (:func:`~qfa.dropin.prepare.restore_output`); one total per timed call."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+        self._spent = 0.0
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._spent += time.perf_counter() - start
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The preparation's functions timed while the block runs (the drop-in looks them up on
+        the module at each call), restored after."""
+        from qfa.dropin import prepare
+
+        saved = prepare.quantized_inputs, prepare.restore_output
+        prepare.quantized_inputs, prepare.restore_output = (self._timed(fn) for fn in saved)
+        try:
+            yield self
+        finally:
+            prepare.quantized_inputs, prepare.restore_output = saved
+
+    def counting(self, fn):
+        """``fn`` recording the preparation time spent in each of its calls."""
+        def call():
+            self._spent = 0.0
+            result = fn()
+            self.calls.append(self._spent)
+            return result
+        return call
+
+
+def row_calls(q, k, v, clock: PrepClock) -> dict:
+    """The timed calls of a row: the drop-in (its preparation counted by ``clock``) and SDPA."""
     import qfa
-    from qfa.attention.backends import cpu_kernel
-    from qfa.dropin import eager as dropin_eager, prepare
-    from qfa.dropin.call import DropinCall
-
-    call = DropinCall(q=q, k=k, v=v, is_causal=True)
-    out = qfa.hif8_attention(q, k, v, is_causal=True).bfloat16()  # the op's output dtype, what is un-rotated
-    unrotated_apart = not cpu_kernel.available()  # else the kernel's epilogue un-rotates (within the op)
-
-    def prep():
-        if prepare.quantized_inputs(call, dropin_eager.static_scale) is None:
-            raise RuntimeError("the native preparation did not run (not built, or QFA_NATIVE=0)")
-        if unrotated_apart:
-            prepare.restore_output(out, q.dtype)
 
     return {
-        "qfa": lambda: qfa.hif8_attention(q, k, v, is_causal=True),
+        "qfa": clock.counting(lambda: qfa.hif8_attention(q, k, v, is_causal=True)),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-        "prep": prep,
     }
 
 
-def _medians(fns: dict) -> dict[str, float]:
-    return interleaved_medians(fns, min_runs=MIN_RUNS, min_total=MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
+def _medians(fns: dict, clock: PrepClock) -> dict[str, float]:
+    """Median seconds of each call in turns, and ``"prep"``: the median preparation inside the
+    drop-in's timed calls (its warm-up call left out)."""
+    clock.calls.clear()
+    with clock.installed():
+        medians = interleaved_medians(fns, min_runs=MIN_RUNS, min_total=MIN_TOTAL_SECONDS, max_runs=MAX_RUNS)
+    if len(clock.calls) < 2 or not any(clock.calls[1:]):
+        raise RuntimeError("the native preparation did not run (not built, or QFA_NATIVE=0)")
+    return {**medians, "prep": statistics.median(clock.calls[1:])}
 
 
 def measure_row(q, k, v, load: bool) -> tuple[dict[str, float], dict[str, float] | None]:
     """Median seconds of each call quiet, and of the drop-in and SDPA with one core busy."""
     from qfa.tools.bench.attention import busy_loop
 
-    fns = row_calls(q, k, v)
-    quiet = _medians(fns)
+    clock = PrepClock()
+    fns = row_calls(q, k, v, clock)
+    quiet = _medians(fns, clock)
     if not load:
         return quiet, None
     loop = busy_loop(10 * (quiet["qfa"] + quiet["sdpa"]) * MAX_RUNS + 30)  # stops by itself
     try:
         time.sleep(0.1)
-        return quiet, _medians(fns)
+        return quiet, _medians(fns, clock)
     finally:
         loop.terminate()
         loop.wait()
@@ -195,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
           "passes, its own pool after a late thread); times are medians of rounds taking one call of each in turn")
     from qfa.attention.backends import cpu_kernel
 
-    print("prep: the K means, rotation, statistic and encode of q, k and v; the output's un-rotation "
+    print("prep: the K means, rotation, statistic and encode of q, k and v, timed inside the drop-in's calls; "
+          "the output's un-rotation "
           + ("runs in the attention kernel's epilogue, within the op" if cpu_kernel.available()
              else "is a pass of its own, counted in prep"))
     print(markdown_table(headers, rows))
