@@ -220,6 +220,23 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Two rows' scores of four keys (hsum8's [row 0: keys 0-3, row 1: keys 0-3]) to dst and
+// dst + stride, of which the first `keys` are stored: whole, two 4-float stores (a chain of
+// scalar stores was a quarter of the decode kernel's S time).
+inline void store_pair_scores(__m256 s, float* dst, int64_t stride, int64_t keys) {
+  if (keys >= 4) {
+    _mm_storeu_ps(dst, _mm256_castps256_ps128(s));
+    _mm_storeu_ps(dst + stride, _mm256_extractf128_ps(s, 1));
+    return;
+  }
+  alignas(32) float v[8];  // a short last group (AVX2 builds have no masked stores)
+  _mm256_store_ps(v, s);
+  for (int64_t j = 0; j < keys; ++j) {
+    dst[j] = v[j];
+    dst[stride + j] = v[4 + j];
+  }
+}
+
 // S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0 (K pre-decoded or codes).
 // keys [k_first, k_last) of the block only (k_last < 0: all): the bf16 kernel's fallback for
 // one group.
@@ -258,14 +275,9 @@ void qk_fused(const Call& c, const Item& it, const float* kpre, int64_t j0, int6
           kv = L::load_once(k + 3 * D + x);
           a3 = L::fma(u, kv, a3); b3 = L::fma(w, kv, b3);
         }
-        alignas(32) float s[8];
-        _mm256_store_ps(s, hsum8(L::fold(a0), L::fold(a1), L::fold(a2), L::fold(a3), L::fold(b0), L::fold(b1),
-                                 L::fold(b2), L::fold(b3)));
-        const int64_t m = std::min<int64_t>(4, n - h);
-        for (int64_t j = 0; j < m; ++j) {
-          dst[(r - lo) * BN + g0 + h + j] = s[j];
-          dst[(r + 1 - lo) * BN + g0 + h + j] = s[4 + j];
-        }
+        store_pair_scores(hsum8(L::fold(a0), L::fold(a1), L::fold(a2), L::fold(a3), L::fold(b0), L::fold(b1),
+                                L::fold(b2), L::fold(b3)),
+                          dst + (r - lo) * BN + g0 + h, BN, n - h);
       }
     }
     for (; r < R; ++r) {
@@ -386,14 +398,9 @@ void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_
           kv = _mm512_loadu_si512(k + 3 * D + x);
           a3 = dot(a3, q0 + x, kv); b3 = dot(b3, q1 + x, kv);
         }
-        alignas(32) float s8[8];
-        _mm256_store_ps(s8, hsum8(Lanes16::fold(a0), Lanes16::fold(a1), Lanes16::fold(a2), Lanes16::fold(a3),
-                                  Lanes16::fold(b0), Lanes16::fold(b1), Lanes16::fold(b2), Lanes16::fold(b3)));
-        const int64_t m = std::min<int64_t>(4, n - h);
-        for (int64_t j = 0; j < m; ++j) {
-          dst[(r - lo) * BN + g0 + h + j] = s8[j];
-          dst[(r + 1 - lo) * BN + g0 + h + j] = s8[4 + j];
-        }
+        store_pair_scores(hsum8(Lanes16::fold(a0), Lanes16::fold(a1), Lanes16::fold(a2), Lanes16::fold(a3),
+                                Lanes16::fold(b0), Lanes16::fold(b1), Lanes16::fold(b2), Lanes16::fold(b3)),
+                          dst + (r - lo) * BN + g0 + h, BN, n - h);
       }
     }
     for (; r < R; ++r) {
