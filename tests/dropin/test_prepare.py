@@ -114,6 +114,20 @@ def test_quantize_is_the_fp32_division_then_the_encode(level, dtype):
     assert saturated > 0
 
 
+@pytest.mark.parametrize("level", levels())
+def test_saturation_count_at_its_edges(level):
+    """The count of quotients at or above the overflow threshold and finite, at the patterns
+    where each SIMD level's test could go wrong: the threshold and its neighbours, the largest
+    finite value, Inf, and NaNs whose payload lies in either half; both signs, every lane."""
+    edge = torch.tensor([fmt.OVERFLOW_THRESHOLD], dtype=torch.float32).view(torch.int32).item()
+    bits = [edge - 1, edge, edge + 1, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7F80FFFF, 0x3F800000]
+    bits += [b | -0x80000000 for b in bits]
+    x = torch.tensor(bits * 8, dtype=torch.int64).to(torch.int32).view(torch.float32)  # 144 values: full vectors
+    codes, saturated = cpu_prepare.quantize_flat(x, 1.0, isa=level)
+    assert saturated == int(((x.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(x)).sum()) == 8 * 2 * 3
+    assert torch.equal(codes, table_codes(x, "saturate"))
+
+
 #: Codes past which the native cast writes with non-temporal stores (the source's kStreamMin).
 STREAM_MIN = 1 << 23
 

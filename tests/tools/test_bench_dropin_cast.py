@@ -78,13 +78,25 @@ def test_prep_clock_times_the_preparation_inside_the_drop_in_call():
         fns["qfa"]()
         whole = bench_dropin.time.perf_counter() - start
         fns["sdpa"]()
-    assert len(clock.calls) == 1 and 0 < clock.calls[0] < whole
+    assert len(clock.calls) == 1 and 0 < clock.calls[0] < whole and clock.declined == 0
     assert (prepare.quantized_inputs, prepare.restore_output) == saved
     with pytest.raises(ZeroDivisionError), clock.installed():
         1 / 0
     assert (prepare.quantized_inputs, prepare.restore_output) == saved
     fns["qfa"]()  # outside the block nothing is counted
     assert len(clock.calls) == 2 and clock.calls[1] == 0.0
+
+
+def test_bench_dropin_refuses_a_share_of_the_materialised_path(monkeypatch):
+    """Where the native passes decline (here: forced to), the drop-in runs the materialised
+    path, which the clock does not see: the bench says so instead of reporting its share."""
+    from qfa.dropin import prepare
+
+    monkeypatch.setattr(prepare, "quantized_inputs", lambda *args, **kwargs: None)
+    q, k, v = bench_dropin.inputs(torch.float32, 128, (2, 1))
+    clock = bench_dropin.PrepClock()
+    with pytest.raises(RuntimeError, match="did not run"):
+        bench_dropin._medians(bench_dropin.row_calls(q, k, v, clock), clock)
 
 
 def test_bench_cast_names_the_path_and_counts_sizes_from_1m(monkeypatch, capsys):
