@@ -333,21 +333,27 @@ bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
   if (src.st[3] != 1) return false;  // (the codes are loaded as runs along D)
   const __m512i exc_v = c.dec.exc_word();
   __m512i big = _mm512_setzero_si512(), apart = _mm512_set1_epi16(-1);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint8_t* p = src.row(it.b, it.h, c.kv_starts[it.b], k0 + j);
-    const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
-    if (c.dec.vbmi && src.per == 32) {
-      int16_t kstep[D / 32];
-      uint32_t knan = 0;
+  if (c.dec.vbmi && src.per == 32) {  // the group's scales checked and expanded, then one call for its rows
+    const uint8_t* rows[kGroup];
+    int16_t kstep[kGroup * (D / 32)];
+    uint32_t knan[kGroup];
+    for (int64_t j = 0; j < n; ++j) {
+      rows[j] = src.row(it.b, it.h, c.kv_starts[it.b], k0 + j);
+      const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
+      knan[j] = 0;
       for (int64_t g = 0; g < D / 32; ++g) {
         const int code = sp[g * src.el_st];
         if (code < c.min_e8m0 || (code > c.max_e8m0 && code != 0xFF)) return false;
-        kstep[g] = e8m0_step(code);
-        knan |= uint32_t(code == 0xFF) << g;
+        kstep[j * (D / 32) + g] = e8m0_step(code);
+        knan[j] |= uint32_t(code == 0xFF) << g;
       }
-      scaled_row_bf16_vbmi(c.dec, p, D, nullptr, kstep, knan, dst + j * D);
-      continue;
     }
+    scaled_rows_bf16_vbmi(c.dec, rows, n, D, nullptr, kstep, knan, dst);
+    return true;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* p = src.row(it.b, it.h, c.kv_starts[it.b], k0 + j);
+    const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
     for (int64_t x = 0; x < D; x += 32) {
       const int code = sp[(x >> src.per_shift) * src.el_st];
       if (code < c.min_e8m0 || (code > c.max_e8m0 && code != 0xFF)) return false;
@@ -651,12 +657,17 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
     uint16_t* rows = sc.half(sc.kb);
     if (!src.sbase) {
       if (!decode_rows(dc, D, src, it.b, it.h, start, k0, k0 + n, rows)) return false;
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const ScaleRowMemo& m = v_scale_row(src, src.scale_row(it.b, it.h, k0 + j), D, sc.vmemo);
-        if (!m.finite || m.min_code < c.min_e8m0 || m.max_code > c.max_e8m0 || scaled_row_bf16_vbmi(dc, src.row(it.b, it.h, start, k0 + j), D, m.step, nullptr, 0,
-                                              rows + j * D))
-          return false;
+    } else {  // the keys sharing a scale row (32 of them) in one call
+      const uint8_t* run[kPairGroup];
+      for (int64_t j = 0; j < n;) {
+        const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
+        const ScaleRowMemo& m = v_scale_row(src, sp, D, sc.vmemo);
+        if (!m.finite || m.min_code < c.min_e8m0 || m.max_code > c.max_e8m0) return false;
+        int64_t e = j;
+        do run[e - j] = src.row(it.b, it.h, start, k0 + e);
+        while (++e < n && e - j < kPairGroup && src.scale_row(it.b, it.h, k0 + e) == sp);
+        if (scaled_rows_bf16_vbmi(dc, run, e - j, D, m.step, nullptr, nullptr, rows + j * D)) return false;
+        j = e;
       }
     }
     if (n % 2) std::memset(rows + n * D, 0, sizeof(uint16_t) * D);

@@ -38,13 +38,18 @@ namespace {
 // table without that structure (none today) falls back to scalar lookups. Measured on the AVX2
 // EPYC: 0.13 ns a code in L1, against 0.25 for the previous vpshufb chain over 8 segments.
 
+constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
+
 #ifdef QFA_WIDE
 struct Decoder;
 #define QFA_VBMI_FN __attribute__((target("avx512vbmi,avx512bw,avx512f")))
 QFA_VBMI_FN int64_t decode_f32_vbmi(const Decoder& dc, const uint8_t* p, float* d, int64_t n, bool& bad);
 QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16_t* d, int64_t n, bool& bad);
-QFA_VBMI_FN bool scaled_row_bf16_vbmi(const Decoder& dc, const uint8_t* p, int64_t dim, const int16_t* vstep,
-                                      const int16_t* kstep, uint32_t knan, uint16_t* out);
+QFA_VBMI_FN bool decode_rows_bf16_vbmi(const Decoder& dc, const uint8_t* p, int64_t stride, int64_t rows,
+                                       int64_t ahead, int64_t dim, uint16_t* d);
+QFA_VBMI_FN bool scaled_rows_bf16_vbmi(const Decoder& dc, const uint8_t* const* rows, int64_t n, int64_t dim,
+                                       const int16_t* vstep, const int16_t* kstep, const uint32_t* knan,
+                                       uint16_t* out);
 #endif
 
 struct Decoder {
@@ -520,11 +525,22 @@ struct VbmiFlags {
   __m512i apart = _mm512_set1_epi8(-1);  // the smallest code ^ exc seen (0: exc met)
 };
 
-QFA_VBMI_FN inline void bytes64_vbmi(const Decoder& dc, __m512i c, __m512i& lo, __m512i& hi, VbmiFlags& f) {
-  const __m512i h = _mm512_permutex2var_epi8(dc.hb[0], c, dc.hb[1]);
-  lo = _mm512_permutex2var_epi8(dc.lb[0], c, dc.lb[1]);
+// The lookup tables in registers for the length of a loop: read through the Decoder, they would
+// be loaded again after every store of words (a store may alias them).
+struct VbmiTables {
+  __m512i hb0, hb1, lb0, lb1, exc_v;
+  bool exc;
+};
+
+QFA_VBMI_FN inline VbmiTables vbmi_tables(const Decoder& dc) {
+  return {dc.hb[0], dc.hb[1], dc.lb[0], dc.lb[1], _mm512_set1_epi8(static_cast<char>(dc.exc)), dc.exc >= 0};
+}
+
+QFA_VBMI_FN inline void bytes64_vbmi(const VbmiTables& t, __m512i c, __m512i& lo, __m512i& hi, VbmiFlags& f) {
+  const __m512i h = _mm512_permutex2var_epi8(t.hb0, c, t.hb1);
+  lo = _mm512_permutex2var_epi8(t.lb0, c, t.lb1);
   f.big = _mm512_max_epu8(f.big, h);
-  if (dc.exc >= 0) f.apart = _mm512_min_epu8(f.apart, _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(dc.exc))));
+  if (t.exc) f.apart = _mm512_min_epu8(f.apart, _mm512_xor_si512(c, t.exc_v));
   hi = _mm512_ternarylogic_epi32(h, c, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // h | (c & 0x80)
 }
 
@@ -539,11 +555,12 @@ QFA_VBMI_FN inline bool flagged_vbmi(const VbmiFlags& f) {
 QFA_VBMI_FN int64_t decode_f32_vbmi(const Decoder& dc, const uint8_t* p, float* d, int64_t n, bool& bad) {
   const __m512i spread = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m512i z = _mm512_setzero_si512();
+  const VbmiTables t = vbmi_tables(dc);
   VbmiFlags f;
   int64_t x = 0;
   for (; x + 64 <= n; x += 64) {
     __m512i lo, hi;
-    bytes64_vbmi(dc, _mm512_permutexvar_epi32(spread, _mm512_loadu_si512(p + x)), lo, hi, f);
+    bytes64_vbmi(t, _mm512_permutexvar_epi32(spread, _mm512_loadu_si512(p + x)), lo, hi, f);
     const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
     _mm512_storeu_si512(d + x, _mm512_unpacklo_epi16(z, a));
     _mm512_storeu_si512(d + x + 16, _mm512_unpackhi_epi16(z, a));
@@ -562,9 +579,9 @@ alignas(64) constexpr int16_t kVbmiOrder[64] = {
     52, 53, 54, 55, 24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
 
 // 64 codes to bf16 words in order (n0: codes 0-31, n1: 32-63).
-QFA_VBMI_FN inline void words64_vbmi(const Decoder& dc, const uint8_t* p, __m512i& n0, __m512i& n1, VbmiFlags& f) {
+QFA_VBMI_FN inline void words64_vbmi(const VbmiTables& t, const uint8_t* p, __m512i& n0, __m512i& n1, VbmiFlags& f) {
   __m512i lo, hi;
-  bytes64_vbmi(dc, _mm512_loadu_si512(p), lo, hi, f);
+  bytes64_vbmi(t, _mm512_loadu_si512(p), lo, hi, f);
   const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
   n0 = _mm512_permutex2var_epi16(a, _mm512_load_si512(kVbmiOrder), b);
   n1 = _mm512_permutex2var_epi16(a, _mm512_load_si512(kVbmiOrder + 32), b);
@@ -572,11 +589,12 @@ QFA_VBMI_FN inline void words64_vbmi(const Decoder& dc, const uint8_t* p, __m512
 
 // The codes [0, n - n % 64) to bf16 words in order; as decode_f32_vbmi.
 QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16_t* d, int64_t n, bool& bad) {
+  const VbmiTables t = vbmi_tables(dc);
   VbmiFlags f;
   int64_t x = 0;
   for (; x + 64 <= n; x += 64) {
     __m512i n0, n1;
-    words64_vbmi(dc, p + x, n0, n1, f);
+    words64_vbmi(t, p + x, n0, n1, f);
     _mm512_storeu_si512(d + x, n0);
     _mm512_storeu_si512(d + x + 32, n1);
   }
@@ -584,22 +602,49 @@ QFA_VBMI_FN int64_t decode_bf16_vbmi(const Decoder& dc, const uint8_t* p, uint16
   return x;
 }
 
-// MXFP8: one key row of dim (a multiple of 64) E4M3 codes to bf16 words times their scales
-// (move_exponents): V with one step per channel (vstep), or K with one per 32 channels (kstep,
-// knan's bit i: channels 32i .. 32i + 31 have a NaN scale, their words NaN). Returns whether a
-// code is not finite (its word is then the table's, unscaled).
-QFA_VBMI_FN bool scaled_row_bf16_vbmi(const Decoder& dc, const uint8_t* p, int64_t dim, const int16_t* vstep,
-                                      const int16_t* kstep, uint32_t knan, uint16_t* out) {
+// `rows` key rows of dim codes (a multiple of 64, contiguous) at p + r * stride to bf16 words at
+// d + r * dim, the codes kAhead rows on prefetched while they lie within `ahead` rows of p. One
+// call for a run of keys: per row, the call and its table loads cost as much as the lookups.
+// Returns whether the table must decode them again (bad, as decode_bf16_vbmi).
+QFA_VBMI_FN bool decode_rows_bf16_vbmi(const Decoder& dc, const uint8_t* p, int64_t stride, int64_t rows,
+                                       int64_t ahead, int64_t dim, uint16_t* d) {
+  const VbmiTables t = vbmi_tables(dc);
   VbmiFlags f;
-  for (int64_t x = 0; x < dim; x += 64) {
-    __m512i w[2];
-    words64_vbmi(dc, p + x, w[0], w[1], f);
-    for (int h = 0; h < 2; ++h) {
-      const int64_t xs = x + 32 * h;
-      const __m512i step = vstep ? _mm512_load_si512(vstep + xs) : _mm512_set1_epi16(kstep[xs >> 5]);
-      __m512i r = move_exponents(w[h], step);
-      if (!vstep && ((knan >> (xs >> 5)) & 1)) r = _mm512_set1_epi16(0x7FC0);
-      _mm512_storeu_si512(out + xs, r);
+  for (int64_t r = 0; r < rows; ++r, p += stride, d += dim) {
+    if (r + kAhead < ahead)
+      for (int64_t x = 0; x < dim; x += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + x), _MM_HINT_T0);
+    for (int64_t x = 0; x < dim; x += 64) {
+      __m512i n0, n1;
+      words64_vbmi(t, p + x, n0, n1, f);
+      _mm512_storeu_si512(d + x, n0);
+      _mm512_storeu_si512(d + x + 32, n1);
+    }
+  }
+  return flagged_vbmi(f);
+}
+
+// MXFP8: n key rows (rows[j]) of dim (a multiple of 64) E4M3 codes to bf16 words times their
+// scales (move_exponents) at out + j * dim: V with one step per channel, the same for every row
+// (vstep), or K with one per 32 channels (kstep[j * dim / 32 + g]; knan[j]'s bit g: channels
+// 32g .. 32g + 31 have a NaN scale, their words NaN). Returns whether a code is not finite (its
+// word is then the table's, unscaled).
+QFA_VBMI_FN bool scaled_rows_bf16_vbmi(const Decoder& dc, const uint8_t* const* rows, int64_t n, int64_t dim,
+                                       const int16_t* vstep, const int16_t* kstep, const uint32_t* knan,
+                                       uint16_t* out) {
+  const VbmiTables t = vbmi_tables(dc);
+  VbmiFlags f;
+  const int64_t groups = dim / 32;
+  for (int64_t j = 0; j < n; ++j, out += dim) {
+    for (int64_t x = 0; x < dim; x += 64) {
+      __m512i w[2];
+      words64_vbmi(t, rows[j] + x, w[0], w[1], f);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t xs = x + 32 * h;
+        const __m512i step = vstep ? _mm512_load_si512(vstep + xs) : _mm512_set1_epi16(kstep[j * groups + (xs >> 5)]);
+        __m512i r = move_exponents(w[h], step);
+        if (!vstep && ((knan[j] >> (xs >> 5)) & 1)) r = _mm512_set1_epi16(0x7FC0);
+        _mm512_storeu_si512(out + xs, r);
+      }
     }
   }
   return flagged_vbmi(f);
@@ -645,8 +690,6 @@ struct KvSrc {
     return pos_shift ? s + ((pos >> 5) & 1) * pair_st : s;
   }
 };
-
-constexpr int64_t kAhead = 8;  // keys decode_rows prefetches ahead
 
 // A fresh id for a KvSrc of a call (never 0): each call's K and V get one each, which keys the
 // thread's ScaleRowMemo.
@@ -837,6 +880,20 @@ inline bool decode_rows(const Decoder& dc, int64_t dim, const KvSrc& src, int64_
     // Keys [j, run_end) lie at a constant stride (the rest of a page, if paged), up to kAhead past j1.
     const int64_t run_end = j + 1 + std::min<int64_t>(src.run_after(j), j1 + kAhead - j - 1);
     const int64_t end = std::min(j1, run_end);
+#ifdef QFA_WIDE
+    if constexpr (std::is_same<T, uint16_t>::value) {
+      if (dc.vbmi && src.st[3] == 1 && dim % 64 == 0) {  // the run in one call (decode_rows_bf16_vbmi)
+        uint16_t* d = dst + (j - j0) * dim;
+        if (decode_rows_bf16_vbmi(dc, p, src.st[2], end - j, run_end - j, dim, d)) {
+          for (int64_t r = 0; r < end - j; ++r)  // a flagged run: the table's words, as decode_bf16
+            for (int64_t x = 0; x < dim; ++x) d[r * dim + x] = dc.bf16_of(p[r * src.st[2] + x]);
+          finite = false;
+        }
+        j = end;
+        continue;
+      }
+    }
+#endif
     for (; j < end; ++j, p += src.st[2]) {
 #ifdef QFA_SIMD
       // The codes kAhead keys on, in this run of keys (past j1 too: the caller's next group;

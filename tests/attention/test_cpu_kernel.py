@@ -35,7 +35,7 @@ import torch
 
 import attention_reference as ref
 from qfa.attention.backends import cpu_kernel, torch_path
-from qfa.cast import luts
+from qfa.cast import format as fmt, luts
 from qfa.tiling.attention import plan_attention
 from test_attention_reference import check_against_reference
 
@@ -420,6 +420,30 @@ def test_nan_value_in_a_fused_decode_block_reaches_only_the_rows_that_see_it(bf1
     assert torch.isnan(out[0, 4:, 2, 9]).all()  # q heads 4..7 read kv head 1
     assert not torch.isnan(out[0, :, :2]).any() and not torch.isnan(out[0, :4]).any()
     assert torch.equal(torch.isnan(out), torch.isnan(want_out))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16", ["1", "0"])
+@pytest.mark.parametrize("code", [fmt.NAN_CODE, fmt.POS_INF_CODE, fmt.NEG_INF_CODE], ids=["nan", "inf", "-inf"])
+def test_non_finite_key_in_a_fused_decode_block_reaches_only_the_rows_that_see_it(code, bf16, monkeypatch):
+    """A NaN or Inf code in K of a few-row block: the rows that see its key get the torch path's
+    NaN pattern, the others their bits of a clean call (the decoder's lookups give such codes no
+    value of their own: a run holding one is decoded again from the table)."""
+    monkeypatch.setenv("QFA_COMPILE", "0")
+    monkeypatch.setenv(cpu_kernel.BF16_ENV_VAR, bf16)
+    plan, args = make(8, 2, (3,), (600,), causal=True)
+    clean, _ = cpu_kernel.forward(plan, *args)
+    k = args[1].clone()
+    k[0, 1, 599, 9] = code  # kv head 1, key 599: only query position 2 sees it
+    args = (args[0], k, *args[2:])
+    out, _ = cpu_kernel.forward(plan, *args)
+    want, _ = torch_path.forward(plan, *args)
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    sees = torch.zeros(out.shape, dtype=torch.bool)
+    sees[0, 4:, 2] = True  # q heads 4..7 read kv head 1
+    if code == fmt.NAN_CODE:
+        assert torch.isnan(out[sees]).all()
+    assert torch.equal(out[~sees].view(torch.int16), clean[~sees].view(torch.int16))
 
 
 @needs_kernel
