@@ -333,21 +333,27 @@ bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
   if (src.st[3] != 1) return false;  // (the codes are loaded as runs along D)
   const __m512i exc_v = c.dec.exc_word();
   __m512i big = _mm512_setzero_si512(), apart = _mm512_set1_epi16(-1);
-  if (c.dec.vbmi && src.per == 32) {  // the group's scales checked and expanded, then one call for its rows
+  if (c.dec.vbmi && src.per == 32) {  // the group's 32 scales checked and expanded at once, one call for its rows
+    constexpr int64_t G = D / 32;  // scales per key
+    static_assert(kGroup * G == 32, "a group's K scales fill one register of words");
     const uint8_t* rows[kGroup];
-    int16_t kstep[kGroup * (D / 32)];
-    uint32_t knan[kGroup];
+    alignas(32) uint8_t codes[kGroup * G] = {};
     for (int64_t j = 0; j < n; ++j) {
       rows[j] = src.row(it.b, it.h, c.kv_starts[it.b], k0 + j);
       const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
-      knan[j] = 0;
-      for (int64_t g = 0; g < D / 32; ++g) {
-        const int code = sp[g * src.el_st];
-        if (code < c.min_e8m0 || (code > c.max_e8m0 && code != 0xFF)) return false;
-        kstep[j * (D / 32) + g] = e8m0_step(code);
-        knan[j] |= uint32_t(code == 0xFF) << g;
-      }
+      if (src.el_st == 1) std::memcpy(codes + j * G, sp, G);
+      else for (int64_t g = 0; g < G; ++g) codes[j * G + g] = sp[g * src.el_st];
     }
+    const __m512i cw = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(codes)));
+    const __mmask32 live = n * G >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n * G)) - 1;
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(cw, _mm512_set1_epi16(0xFF)) & live;
+    if ((_mm512_cmplt_epi16_mask(cw, _mm512_set1_epi16(static_cast<short>(c.min_e8m0))) |
+         (_mm512_cmpgt_epi16_mask(cw, _mm512_set1_epi16(static_cast<short>(c.max_e8m0))) & ~nan)) & live)
+      return false;
+    alignas(64) int16_t kstep[kGroup * G];  // e8m0_step of each code, in 16-bit lanes
+    _mm512_store_si512(kstep, _mm512_slli_epi16(_mm512_sub_epi16(cw, _mm512_set1_epi16(kE8m0Bias)), kBf16ExpShift));
+    uint32_t knan[kGroup];
+    for (int64_t j = 0; j < n; ++j) knan[j] = (nan >> (j * G)) & ((1u << G) - 1);
     scaled_rows_bf16_vbmi(c.dec, rows, n, D, nullptr, kstep, knan, dst);
     return true;
   }
