@@ -663,15 +663,14 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
     uint16_t* rows = sc.half(sc.kb);
     if (!src.sbase) {
       if (!decode_rows(dc, D, src, it.b, it.h, start, k0, k0 + n, rows)) return false;
-    } else {  // the keys sharing a scale row (32 of them) in one call
+    } else {  // the keys sharing a scale row (up to 32, within a block: at a constant stride) in one call
       const uint8_t* run[kPairGroup];
       for (int64_t j = 0; j < n;) {
-        const uint8_t* sp = src.scale_row(it.b, it.h, k0 + j);
-        const ScaleRowMemo& m = v_scale_row(src, sp, D, sc.vmemo);
+        const ScaleRowMemo& m = v_scale_row(src, src.scale_row(it.b, it.h, k0 + j), D, sc.vmemo);
         if (!m.finite || m.min_code < c.min_e8m0 || m.max_code > c.max_e8m0) return false;
-        int64_t e = j;
-        do run[e - j] = src.row(it.b, it.h, start, k0 + e);
-        while (++e < n && e - j < kPairGroup && src.scale_row(it.b, it.h, k0 + e) == sp);
+        const int64_t e = std::min(n, src.scale_run_end(it.b, k0 + j) - k0);
+        const uint8_t* first = src.row(it.b, it.h, start, k0 + j);
+        for (int64_t i = 0; i < e - j; ++i) run[i] = first + i * src.st[2];
         if (scaled_rows_bf16_vbmi(dc, run, e - j, D, m.step, nullptr, nullptr, rows + j * D)) return false;
         j = e;
       }

@@ -689,6 +689,14 @@ struct KvSrc {
     const uint8_t* s = sbase + blk * sst[0] + h * sst[1] + (pos >> pos_shift) * sst[2];
     return pos_shift ? s + ((pos >> 5) & 1) * pair_st : s;
   }
+  // The first key after j whose scale row may differ from j's: scale_row reads a new row per
+  // position (K) or per 32 positions (V's paired rows), and per block when paged.
+  inline int64_t scale_run_end(int64_t b, int64_t j) const {
+    const int64_t span = pos_shift ? 32 : 1;
+    if (table) return std::min((j / span + 1) * span, ((j >> bs_shift) + 1) << bs_shift);
+    const int64_t pos = (sstart ? sstart[b] : 0) + j;
+    return j + span - pos % span;
+  }
 };
 
 // A fresh id for a KvSrc of a call (never 0): each call's K and V get one each, which keys the
