@@ -371,6 +371,26 @@ bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
   return true;
 }
 
+// Sixteen dot products' lanes, each summed by the fused kernels' add tree (its 16 lanes folded
+// to 8, then hsum8's pairs of pairs), side by side: lane i of the result is x[i]'s sum, the bits
+// of Lanes16::fold and hsum8. 45 instructions where two hsum8 of eight folds take twice the
+// micro-ops (hadd is three), which were the larger part of the few-row S.
+inline __m512 tree_sums16(const __m512* x) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 y[8], z[4], w[2];
+  for (int t = 0; t < 8; ++t)  // the folds: lanes 0-7 x[2t]'s a[i] + a[i + 8], lanes 8-15 x[2t + 1]'s
+    y[t] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * t], x[2 * t + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * t], x[2 * t + 1], 0xEE));
+  for (int u = 0; u < 4; ++u)  // f[2j] + f[2j + 1]: four per sum
+    z[u] = _mm512_add_ps(_mm512_permutex2var_ps(y[2 * u], even, y[2 * u + 1]),
+                         _mm512_permutex2var_ps(y[2 * u], odd, y[2 * u + 1]));
+  for (int v = 0; v < 2; ++v)  // (f0 + f1) + (f2 + f3) and (f4 + f5) + (f6 + f7): two per sum
+    w[v] = _mm512_add_ps(_mm512_permutex2var_ps(z[2 * v], even, z[2 * v + 1]),
+                         _mm512_permutex2var_ps(z[2 * v], odd, z[2 * v + 1]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(w[0], even, w[1]), _mm512_permutex2var_ps(w[0], odd, w[1]));
+}
+
 // S = Q K^T for rows [lo, R) and columns [0, nc) of the block at j0, from the codes.
 void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_t R, int64_t nc, Scratch& sc,
                    float* dst) {
@@ -394,26 +414,23 @@ void qk_fused_bf16(const Call& c, const Item& it, int64_t j0, int64_t lo, int64_
     }
     if (n < kGroup) std::memset(kr + n * D, 0, sizeof(uint16_t) * (kGroup - n) * D);
     int64_t r = lo;
-    for (; r + 2 <= R; r += 2) {
+    const __mmask8 keys = n >= 8 ? 0xFF : static_cast<__mmask8>((1u << n) - 1);
+    static_assert(kGroup == 8, "two rows of a group's scores fill one register");
+    for (; r + 2 <= R; r += 2) {  // two rows x the group's 8 keys: 16 dot products, summed together
       const uint16_t* q0 = qb + r * D;
       const uint16_t* q1 = q0 + D;
-      for (int64_t h = 0; h < kGroup; h += 4) {
-        const uint16_t* k = kr + h * D;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        for (int64_t x = 0; x < D; x += 32) {
-          __m512i kv = _mm512_loadu_si512(k + x);
-          a0 = dot(a0, q0 + x, kv); b0 = dot(b0, q1 + x, kv);
-          kv = _mm512_loadu_si512(k + D + x);
-          a1 = dot(a1, q0 + x, kv); b1 = dot(b1, q1 + x, kv);
-          kv = _mm512_loadu_si512(k + 2 * D + x);
-          a2 = dot(a2, q0 + x, kv); b2 = dot(b2, q1 + x, kv);
-          kv = _mm512_loadu_si512(k + 3 * D + x);
-          a3 = dot(a3, q0 + x, kv); b3 = dot(b3, q1 + x, kv);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t x = 0; x < D; x += 32) {
+        for (int64_t j = 0; j < kGroup; ++j) {
+          const __m512i kv = _mm512_loadu_si512(kr + j * D + x);
+          acc[j] = dot(acc[j], q0 + x, kv);
+          acc[kGroup + j] = dot(acc[kGroup + j], q1 + x, kv);
         }
-        store_pair_scores(hsum8(Lanes16::fold(a0), Lanes16::fold(a1), Lanes16::fold(a2), Lanes16::fold(a3),
-                                Lanes16::fold(b0), Lanes16::fold(b1), Lanes16::fold(b2), Lanes16::fold(b3)),
-                          dst + (r - lo) * BN + g0 + h, BN, n - h);
       }
+      const __m512 s = tree_sums16(acc);
+      _mm256_mask_storeu_ps(dst + (r - lo) * BN + g0, keys, _mm512_castps512_ps256(s));
+      _mm256_mask_storeu_ps(dst + (r + 1 - lo) * BN + g0, keys, _mm512_extractf32x8_ps(s, 1));
     }
     for (; r < R; ++r) {
       const uint16_t* q = qb + r * D;
