@@ -323,6 +323,17 @@ inline __m512i scaled_words(const Decoder& dc, const uint8_t* p, __m512i step, _
                                _mm512_set1_epi16(0x7FC0));
 }
 
+// The codes of keys [j0, j1) of K or V, asked for ahead of their decode (as decode_rows does
+// within a run): only keys of the sequence, as a paged row's address reads the block table.
+inline void prefetch_key_rows(const Call& c, const Item& it, const KvSrc& src, int64_t j0, int64_t j1) {
+  if (src.st[3] != 1) return;
+  j1 = std::min(j1, c.kv_lens[it.b]);
+  for (int64_t j = j0; j < j1; ++j) {
+    const char* p = reinterpret_cast<const char*>(src.row(it.b, it.h, c.kv_starts[it.b], j));
+    for (int64_t x = 0; x < kFusedDim; x += 64) _mm_prefetch(p + x, _MM_HINT_T0);
+  }
+}
+
 // Keys [k0, k0 + n) of MXFP8's K (one scale per 32 channels) as bf16 rows into dst. A code or
 // scale that is not finite needs no fp32 fallback here: its word is NaN (or Inf), which a dot
 // product propagates as the fp32 one does, whatever the order.
@@ -336,6 +347,7 @@ bool scaled_k_rows_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, ui
   if (c.dec.vbmi && src.per == 32) {  // the group's 32 scales checked and expanded at once, one call for its rows
     constexpr int64_t G = D / 32;  // scales per key
     static_assert(kGroup * G == 32, "a group's K scales fill one register of words");
+    prefetch_key_rows(c, it, src, k0 + kAhead, k0 + kAhead + n);
     const uint8_t* rows[kGroup];
     alignas(32) uint8_t codes[kGroup * G] = {};
     for (int64_t j = 0; j < n; ++j) {
@@ -686,6 +698,7 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
         const ScaleRowMemo& m = v_scale_row(src, src.scale_row(it.b, it.h, k0 + j), D, sc.vmemo);
         if (!m.finite || m.min_code < c.min_e8m0 || m.max_code > c.max_e8m0) return false;
         const int64_t e = std::min(n, src.scale_run_end(it.b, k0 + j) - k0);
+        prefetch_key_rows(c, it, src, k0 + j + kAhead, k0 + e + kAhead);
         const uint8_t* first = src.row(it.b, it.h, start, k0 + j);
         for (int64_t i = 0; i < e - j; ++i) run[i] = first + i * src.st[2];
         if (scaled_rows_bf16_vbmi(dc, run, e - j, D, m.step, nullptr, nullptr, rows + j * D)) return false;
@@ -711,7 +724,7 @@ bool v_pairs_bf16(const Call& c, const Item& it, int64_t k0, int64_t n, uint16_t
   for (int64_t i = 0; i < n; i += 2) {
     const uint8_t* p0 = src.row(it.b, it.h, start, k0 + i);
     const uint8_t* p1 = i + 1 < n ? src.row(it.b, it.h, start, k0 + i + 1) : zeros;
-    if (i + kAhead < n && src.run_after(k0 + i) >= kAhead) {  // as decode_rows: the codes a few keys on
+    if (src.run_after(k0 + i) >= kAhead) {  // as decode_rows: the codes kAhead keys on (past the group too)
       const char* ahead = reinterpret_cast<const char*>(p0 + kAhead * src.st[2]);
       for (int64_t x = 0; x < 2 * D; x += 64) _mm_prefetch(ahead + x, _MM_HINT_T0);
     }
