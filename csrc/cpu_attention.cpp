@@ -484,6 +484,28 @@ bool qfa_kernel::simd_decoder(const float* decode_table, bool e4m3) {
 
 // The kernel's HiF8 rounding of P on its own, for the tests: x rounded in place (the 8-lane body
 // and the scalar tail, or the scalar rule alone).
+// The few-row S's sums of 16 dot products' 16 lanes each (x: 16 rows of 16 lanes), as the
+// build's kernels take them: side by side (tree_sums16) in the AVX512_BF16 build, one by one
+// (Lanes16::fold, hsum8) in the AVX-512 one. False where S has no 16-lane sums (AVX2 builds).
+bool qfa_kernel::dot_sums16(const float* x, float* out) {
+#if defined(QFA_BF16_DOT)
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(x + 16 * i);
+  _mm512_storeu_ps(out, tree_sums16(a));
+  return true;
+#elif defined(QFA_WIDE)
+  __m256 f[16];
+  for (int i = 0; i < 16; ++i) f[i] = Lanes16::fold(_mm512_loadu_ps(x + 16 * i));
+  for (int h = 0; h < 16; h += 8)
+    _mm256_storeu_ps(out + h, hsum8(f[h], f[h + 1], f[h + 2], f[h + 3], f[h + 4], f[h + 5], f[h + 6], f[h + 7]));
+  return true;
+#else
+  (void)x;
+  (void)out;
+  return false;
+#endif
+}
+
 void qfa_kernel::round_p(float* x, int64_t n, const std::vector<int64_t>& round_consts, bool simd) {
   round_row(x, n, round_consts_of(round_consts), simd);
 }

@@ -237,6 +237,16 @@ at::Tensor round_p_e4m3(const at::Tensor& x, bool simd, bool bf16) {
   return out;
 }
 
+// The few-row S's sums of 16 rows of 16 fp32 lanes (a contiguous (16, 16) fp32 tensor), for the
+// tests; an empty tensor where the build's S has no 16-lane sums.
+at::Tensor dot_sums16(const at::Tensor& x) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(0) == 16 && x.size(1) == 16 && x.is_contiguous(),
+              "x: contiguous (16, 16) fp32");
+  at::Tensor out = x.new_empty({16});
+  if (!qfa_kernel::dot_sums16(x.data_ptr<float>(), out.data_ptr<float>())) return x.new_empty({0});
+  return out;
+}
+
 }  // namespace
 
 namespace {
@@ -407,7 +417,8 @@ constexpr char kDecodeCodes[] = "decode_codes", kDecodeE4m3Codes[] = "decode_e4m
                kSimdE4m3Decoder[] = "simd_e4m3_decoder", kRoundPE4m3[] = "round_p_e4m3", kVecWidth[] = "vec_width",
                kRoundP[] = "round_p", kSimdDecoder[] = "simd_decoder", kLastRegion[] = "last_region",
                kLastPaths[] = "last_paths", kLastRegions[] = "last_regions", kHasBf16Dot[] = "has_bf16_dot",
-               kPeakKinds[] = "peak_kinds", kPeakGflops[] = "peak_gflops", kForward[] = "forward";
+               kPeakKinds[] = "peak_kinds", kPeakGflops[] = "peak_gflops", kForward[] = "forward",
+               kDotSums16[] = "dot_sums16";
 
 // decode_codes(codes, decode_table, simd, e4m3=False), keywords allowed (its pybind11 binding
 // named its arguments).
@@ -465,6 +476,7 @@ PyMethodDef methods[] = {
     method<&round_p_e4m3, kRoundPE4m3>("E4M3 rounding of P with the kernel's code (tests)"),
     method<&vec_width, kVecWidth>("fp32 lanes of the build's vectors (head dims are a multiple)"),
     method<&round_p, kRoundP>("HiF8 rounding of P with the kernel's code (tests)"),
+    method<&dot_sums16, kDotSums16>("the few-row S's sums of 16 x 16 fp32 lanes, or an empty tensor (tests)"),
     method<&simd_decoder, kSimdDecoder>("whether the SIMD decoder runs for this table (tests)"),
     method<&last_region, kLastRegion>("the last region's team and the threads that entered it (tests)"),
     method<&last_paths_names, kLastPaths>("the kernels the last call's blocks ran (bench, tests)"),

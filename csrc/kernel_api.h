@@ -69,6 +69,7 @@ std::string decoder_kind(const float* decode_table, bool e4m3);
 bool simd_decoder(const float* decode_table, bool e4m3);
 void round_p(float* x, int64_t n, const std::vector<int64_t>& round_consts, bool simd);
 void round_p_e4m3(float* x, int64_t n, bool simd, bool bf16);
+bool dot_sums16(const float* x, float* out);
 
 // C (m x n, row stride ldc) = A (m x k, lda) @ B, with B (k x n, ldb), or B^T with B (n x k, ldb)
 // when b_transposed: torch's mm (MKL where torch has it), on the calling thread. Defined in

@@ -447,6 +447,27 @@ def test_non_finite_key_in_a_fused_decode_block_reaches_only_the_rows_that_see_i
 
 
 @needs_kernel
+def test_few_row_scores_sum_their_lanes_by_one_add_tree_bit_for_bit():
+    """The few-row kernels sum a dot product's 16 lanes by one fixed tree in fp32: lane i plus
+    lane i + 8, then ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7)); the AVX512_BF16 build
+    takes sixteen such sums side by side (tree_sums16), the AVX-512 one each alone. Checked
+    against that tree in numpy's fp32 on values whose sums depend on the order (wide exponents,
+    cancellations, Inf and NaN)."""
+    if cpu_kernel._module.dot_sums16(torch.zeros(16, 16)).numel() == 0:
+        pytest.skip(f"the {cpu_kernel.cpu_capability()} build's S has no 16-lane sums (8-lane AVX2 kernels)")
+    gen = np.random.default_rng(5)
+    for trial in range(200):
+        x = (gen.standard_normal((16, 16)) * 2.0 ** gen.integers(-40, 40, (16, 16))).astype(np.float32)
+        if trial % 4 == 0:
+            x[gen.integers(16), gen.integers(16)] = [np.inf, -np.inf, np.nan][trial % 3]
+        f = x[:, :8] + x[:, 8:]
+        want = ((f[:, 0] + f[:, 1]) + (f[:, 2] + f[:, 3])) + ((f[:, 4] + f[:, 5]) + (f[:, 6] + f[:, 7]))
+        got = cpu_kernel._module.dot_sums16(torch.from_numpy(x)).numpy()
+        assert np.array_equal(got, want, equal_nan=True), trial
+        assert np.array_equal(got[~np.isnan(got)].view(np.int32), want[~np.isnan(want)].view(np.int32)), trial
+
+
+@needs_kernel
 def test_kernel_rounding_of_p_is_the_table_bit_for_bit():
     """The kernel's HiF8 rounding of P (8 lanes of integer ops on AVX2 / AVX-512 builds, the
     scalar rule in the tail and elsewhere) against the rounding table, exhaustively: every top-16
