@@ -506,28 +506,45 @@ bool qfa_kernel::dot_sums16(const float* x, float* out) {
 #endif
 }
 
-void qfa_kernel::round_p(float* x, int64_t n, const std::vector<int64_t>& round_consts, bool simd) {
-  round_row(x, n, round_consts_of(round_consts), simd);
+// The bf16 dot products' rounding of P (AVX512_BF16 builds): x rounded in place by
+// round_sum_to_bf16 (keep) in a row padded past its n values, as the walk's causal rows are: the
+// pad's words and floats must come back zero, what lies past it untouched, and the fp32 result
+// must be the bf16 copy.
+template <bool E4M3>
+void round_p_bf16(float* x, int64_t n, const RoundConsts& rc) {
+#ifdef QFA_BF16_DOT
+  const int64_t n_pad = (n + 41) & ~int64_t(1), tail = 64;
+  std::vector<float> row(x, x + n);
+  row.resize(n_pad + tail, std::numeric_limits<float>::quiet_NaN());
+  std::vector<uint16_t> half(n_pad + tail, 0xFFFF);
+  round_sum_to_bf16<E4M3>(row.data(), n, n_pad, rc, half.data(), true);
+  for (int64_t j = 0; j < n_pad + tail; ++j) {
+    uint32_t got;
+    std::memcpy(&got, row.data() + j, 4);
+    if (j < n_pad) {
+      QFA_CHECK(got == uint32_t(half[j]) << 16, "round_sum_to_bf16: its bf16 copy differs from its fp32 result at ", j);
+      QFA_CHECK(j < n || got == 0, "round_sum_to_bf16: the pad is not zero at ", j);
+    } else {
+      QFA_CHECK(half[j] == 0xFFFF && std::isnan(row[j]), "round_sum_to_bf16: wrote past the pad at ", j);
+    }
+  }
+  std::memcpy(x, row.data(), sizeof(float) * n);
+#else
+  (void)x; (void)n; (void)rc;
+  QFA_CHECK(false, "bf16: needs the AVX512_BF16 build");
+#endif
 }
 
-// The kernel's E4M3 rounding of P on its own (tests): 16 / 8 lanes and the scalar tail, or the
-// scalar rule alone; bf16: the bf16 dot products' fused rounding (AVX512_BF16 builds), its
-// fp32 result.
+// The kernel's roundings of P on their own (tests): 32 / 16 / 8 lanes and the scalar tail, or the
+// scalar rule alone (simd false); bf16: the bf16 dot products' rounding, its fp32 result.
+void qfa_kernel::round_p(float* x, int64_t n, const std::vector<int64_t>& round_consts, bool simd, bool bf16) {
+  const RoundConsts rc = round_consts_of(round_consts);
+  if (bf16) return round_p_bf16<false>(x, n, rc);
+  round_row(x, n, rc, simd);
+}
+
 void qfa_kernel::round_p_e4m3(float* x, int64_t n, bool simd, bool bf16) {
-#ifdef QFA_BF16_DOT
-  if (bf16) {
-    std::vector<uint16_t> half(n + 2);
-    round_to_bf16_e4m3(x, n, n, half.data());
-    for (int64_t j = 0; j < n; ++j) {
-      uint32_t bits = uint32_t(half[j]) << 16, got;
-      std::memcpy(&got, x + j, 4);
-      QFA_CHECK(got == bits || std::isnan(x[j]), "round_to_bf16_e4m3: bf16 copy differs");
-    }
-    return;
-  }
-#else
-  QFA_CHECK(!bf16, "bf16: needs the AVX512_BF16 build");
-#endif
+  if (bf16) return round_p_bf16<true>(x, n, round_consts_of({15, 7, 3, 0, 0, 0, 0}));  // (E4M3 reads none)
   round_row_e4m3(x, n, simd);
 }
 

@@ -223,10 +223,10 @@ bool simd_e4m3_decoder(const at::Tensor& decode_table) {
 }
 
 // P's roundings on their own, for the tests: a rounded copy of a 1-D fp32 tensor.
-at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool simd) {
+at::Tensor round_p(const at::Tensor& x, std::vector<int64_t> round_consts, bool simd, bool bf16) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 1, "x: 1-D fp32");
   at::Tensor out = x.contiguous().clone();
-  qfa_kernel::round_p(out.data_ptr<float>(), out.numel(), round_consts, simd);
+  qfa_kernel::round_p(out.data_ptr<float>(), out.numel(), round_consts, simd, bf16);
   return out;
 }
 

@@ -30,12 +30,24 @@ struct RoundConsts {
   int32_t underflow;
   int32_t max_bits;
   int32_t nan_bits;
+  // RoundWords' tables, by min(|e|, 31): the high halves of half = 2^22 >> m and of -(2 half)
+  alignas(64) int16_t half_w[32];
+  alignas(64) int16_t mask_w[32];
 };
 
 RoundConsts round_consts_of(const std::vector<int64_t>& v) {
   QFA_CHECK(v.size() == 7, "round_consts: 7 values");
-  return RoundConsts{{int32_t(v[0]), int32_t(v[1]), int32_t(v[2])}, int32_t(v[3]), int32_t(v[4]), int32_t(v[5]),
-                     int32_t(v[6])};
+  RoundConsts c{{int32_t(v[0]), int32_t(v[1]), int32_t(v[2])}, int32_t(v[3]), int32_t(v[4]), int32_t(v[5]),
+                int32_t(v[6]), {}, {}};
+  for (int32_t t : {c.min_denormal, c.underflow, c.max_bits, c.nan_bits})
+    QFA_CHECK((t & 0xFFFF) == 0, "round_consts: the thresholds' low halves must be zero (the rule reads the top 16 bits)");
+  for (int e = 0; e < 32; ++e) {
+    const int m = (e <= c.band[0]) + (e <= c.band[1]) + (e <= c.band[2]);
+    const int32_t h = (1 << 22) >> m;  // a multiple of 2^16: m <= 3
+    c.half_w[e] = static_cast<int16_t>(h >> 16);
+    c.mask_w[e] = static_cast<int16_t>(-(2 * h) >> 16);
+  }
+  return c;
 }
 
 inline int32_t round_hif8_bits(int32_t bits, const RoundConsts& c) {
@@ -131,15 +143,70 @@ struct RoundVec16 {
 };
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The same rule on 32 lanes of 16-bit words, the high halves of the fp32 patterns: the rule reads
+// only bits & 0x7FFF0000 and its constants' low halves are zero (checked), so every step (the
+// clamp, |e|, half and its mask, the compares) is the 32-bit step shifted down by 16, and the
+// result's low half is zero. |e| past 31 only occurs below min_denormal, where `below` decides, so
+// half and the mask come from two 32-entry word tables (vpermw; RoundConsts builds them and
+// checks the low halves) indexed by min(|e|, 31). Half
+// the lanes' work of RoundVec16 per value and two table lookups for the three band compares:
+// the rounding was a tenth of a prefill call on the Zen 4 EPYC.
+struct RoundWords {
+  __m512i half_tab, mask_tab, max_hi, min_denormal, underflow_m1, nan_hi, inf_hi;
+  explicit RoundWords(const RoundConsts& c) {
+    half_tab = _mm512_loadu_si512(c.half_w);
+    mask_tab = _mm512_loadu_si512(c.mask_w);
+    max_hi = _mm512_set1_epi16(static_cast<int16_t>(c.max_bits >> 16));
+    min_denormal = _mm512_set1_epi16(static_cast<int16_t>(c.min_denormal >> 16));
+    underflow_m1 = _mm512_set1_epi16(static_cast<int16_t>((c.underflow >> 16) - 1));
+    nan_hi = _mm512_set1_epi16(static_cast<int16_t>(c.nan_bits >> 16));
+    inf_hi = _mm512_set1_epi16(0x7F80);
+  }
+  // w: 32 high halves; the rounded values' high halves (signed compares: magnitudes below 2^15)
+  inline __m512i operator()(__m512i w) const {
+    const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+    const __m512i cl = _mm512_min_epi16(a, max_hi);
+    const __m512i e = _mm512_abs_epi16(_mm512_sub_epi16(_mm512_srli_epi16(cl, 7), _mm512_set1_epi16(127)));
+    const __m512i idx = _mm512_min_epi16(e, _mm512_set1_epi16(31));
+    __m512i r = _mm512_and_si512(_mm512_add_epi16(cl, _mm512_permutexvar_epi16(idx, half_tab)),
+                                 _mm512_permutexvar_epi16(idx, mask_tab));
+    const __m512i below = _mm512_maskz_mov_epi16(_mm512_cmpgt_epi16_mask(cl, underflow_m1), min_denormal);
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpgt_epi16_mask(min_denormal, cl), below);
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(a, inf_hi), a);
+    const __m512i sign = _mm512_and_si512(w, _mm512_set1_epi16(static_cast<int16_t>(0x8000)));
+    r = _mm512_mask_mov_epi16(r, _mm512_test_epi16_mask(r, r), _mm512_or_si512(r, sign));
+    return _mm512_mask_mov_epi16(r, _mm512_cmpgt_epi16_mask(a, inf_hi), nan_hi);
+  }
+};
+
+// The high halves of 32 fp32 patterns (x0's 16, then x1's) as one register of words, and back.
+inline __m512i high_words(__m512i x0, __m512i x1) {
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                       23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(x0, odd, x1);
+}
+inline __m512i widen_lo(__m512i w) { return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16); }
+inline __m512i widen_hi(__m512i w) { return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16); }
+#endif
+
 // HiF8 rounding of a row of P in place: 16 lanes at a time where the build has AVX-512, 8 where
 // it has AVX2, the same bit rule in scalar code for the tail (and everywhere else).
 inline void round_row(float* p, int64_t n, const RoundConsts& c, bool simd = true) {
   int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #if defined(CPU_CAPABILITY_AVX512)
-  if (simd && n >= 16) {
+  int32_t* b = reinterpret_cast<int32_t*>(p);
+  if (simd && n >= 32) {
+    const RoundWords rw(c);
+    for (; j + 32 <= n; j += 32) {
+      const __m512i r = rw(high_words(_mm512_loadu_si512(b + j), _mm512_loadu_si512(b + j + 16)));
+      _mm512_storeu_si512(b + j, widen_lo(r));
+      _mm512_storeu_si512(b + j + 16, widen_hi(r));
+    }
+  }
+  if (simd && n - j >= 16) {
     const RoundVec16 rv(c);
-    int32_t* b = reinterpret_cast<int32_t*>(p);
     for (; j + 16 <= n; j += 16) _mm512_storeu_si512(b + j, rv(_mm512_loadu_si512(b + j)));
   }
 #endif
@@ -276,72 +343,76 @@ inline void to_bf16(const float* x, int64_t n, uint16_t* dst) {
 #endif
 
 #ifdef QFA_BF16_DOT
-// P's rounding on 16 lanes, as bit patterns: E4M3 (quant_modes 1 and 6) or HiF8 (rv).
+// P's rounding of 32 values (p0's 16, then p1's) as their bf16 words: HiF8 on the words (rw), or
+// E4M3 on 16 lanes, whose values are bf16 values (4 significant bits, binades -9 .. 8).
 template <bool E4M3>
-inline __m512i round_p16(__m512 p, const RoundVec16& rv) {
+inline __m512i round_p32(__m512 p0, __m512 p1, const RoundWords& rw) {
   if constexpr (E4M3) {
-    (void)rv;
-    return _mm512_castps_si512(round_e4m3_16(p));
+    (void)rw;
+    return high_words(_mm512_castps_si512(round_e4m3_16(p0)), _mm512_castps_si512(round_e4m3_16(p1)));
   } else {
-    return rv(_mm512_castps_si512(p));
+    return rw(high_words(_mm512_castps_si512(p0), _mm512_castps_si512(p1)));
   }
 }
 
-// P's E4M3 rounding of n values in place, zeros from n to n_pad, and the rounded row as bf16
-// into dst (E4M3 values are bf16 values: 4 significant bits, binades -9 .. 8).
-inline void round_to_bf16_e4m3(float* p, int64_t n, int64_t n_pad, uint16_t* dst) {
-  const RoundVec16 rv(RoundConsts{});  // (E4M3 reads no HiF8 constants)
-  for (int64_t j = 0; j < n_pad; j += 16) {
-    const int64_t left = std::min<int64_t>(16, n - j);
-    const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
-    const __m512i r = _mm512_maskz_mov_epi32(live, round_p16<true>(_mm512_maskz_loadu_ps(live, p + j), rv));
-    _mm512_mask_storeu_epi32(p + j, out, r);
-    _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
+// The second of the softmax's passes over a row of n values of p (exp's, unrounded) for the
+// bf16 dot products: their sum (returned: 16 lanes, then the lanes in order, then the tail in
+// order) and p rounded (HiF8 with c, or E4M3) as bf16 into dst, zeros from n to n_pad (a
+// multiple of 2). With keep, the rounded fp32 p (zeros to n_pad) goes back into p as well: the
+// fp32 fallback's P. Whole registers of 32 values, one 64-byte store of words each; the masked
+// loads and stores only in the last, partial one.
+template <bool E4M3>
+inline float round_sum_to_bf16(float* p, int64_t n, int64_t n_pad, const RoundConsts& c, uint16_t* dst, bool keep) {
+  const RoundWords rw(c);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 p0 = _mm512_loadu_ps(p + j), p1 = _mm512_loadu_ps(p + j + 16);
+    acc = _mm512_add_ps(acc, p0);
+    acc = _mm512_add_ps(acc, p1);
+    const __m512i r = round_p32<E4M3>(p0, p1, rw);
+    _mm512_storeu_si512(dst + j, r);
+    if (keep) {
+      _mm512_storeu_si512(p + j, widen_lo(r));
+      _mm512_storeu_si512(p + j + 16, widen_hi(r));
+    }
   }
+  const int64_t whole = n & ~int64_t(15);  // the values summed in lanes
+  if (j < whole) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + j));
+  float sum = 0.f;
+  {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, acc);
+    for (int i = 0; i < 16; ++i) sum += tmp[i];
+  }
+  for (int64_t t = whole; t < n; ++t) sum += p[t];
+  const auto bits = [](int64_t k) { return static_cast<__mmask16>(k <= 0 ? 0 : k >= 16 ? 0xFFFF : (1u << k) - 1); };
+  for (; j < n_pad; j += 32) {  // the last values (fewer than 32), then zeros to n_pad
+    const int64_t left = n - j, out = std::min<int64_t>(32, n_pad - j);
+    const __m512 p0 = _mm512_maskz_loadu_ps(bits(left), p + j), p1 = _mm512_maskz_loadu_ps(bits(left - 16), p + j + 16);
+    const __m512i r = round_p32<E4M3>(p0, p1, rw);  // (a zero rounds to zero)
+    _mm512_mask_storeu_epi16(dst + j, static_cast<__mmask32>((uint64_t(1) << out) - 1), r);
+    if (keep) {
+      _mm512_mask_storeu_epi32(p + j, bits(out), widen_lo(r));
+      _mm512_mask_storeu_epi32(p + j + 16, bits(out - 16), widen_hi(r));
+    }
+  }
+  return sum;
 }
-#endif
 
-#ifdef QFA_BF16_DOT
 // The softmax's passes over a row of n visible scores for the bf16 dot products: p = exp(s *
-// dscale - m) into s (the walk's exponent, Vec::exp as the torch path) and its unrounded sum
-// (returned: 16 lanes, then the lanes in order, then the tail in order); then p rounded (HiF8
-// with c, or E4M3) as bf16 into dst, zeros from n to n_pad (a multiple of 2). With keep, the
-// rounded fp32 p (zeros to n_pad) goes back into s as well: the fp32 fallback's P. Two loops,
-// not one: exp is a call, and around it the rounding's constants would be spilled and reloaded
-// for every vector (measured slower on the Zen 4 EPYC).
+// dscale - m) into s (the walk's exponent, Vec::exp as the torch path), then round_sum_to_bf16.
+// Two loops, not one: exp is a call, around which every vector register is the caller's to save,
+// so the first loop keeps nothing live across it (the sum, the rounding's tables: the second).
 template <bool E4M3>
 inline float exp_round_to_bf16(float* s, int64_t n, int64_t n_pad, float dscale, float m, const RoundConsts& c,
                                uint16_t* dst, bool keep) {
   static_assert(Vec::size() == 16, "the bf16 build's vectors are 16 lanes");
   const Vec vd(dscale), vm(m);
-  Vec acc(0.f);
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const Vec p = (Vec::loadu(s + j) * vd - vm).exp();
-    p.store(s + j);
-    acc = acc + p;
-  }
-  float sum = 0.f;
-  {
-    alignas(64) float tmp[16];
-    acc.store(tmp);
-    for (int i = 0; i < 16; ++i) sum += tmp[i];
-  }
-  if (j < n) {
-    (Vec::loadu(s + j, n - j) * vd - vm).exp().store(s + j, n - j);
-    for (; j < n; ++j) sum += s[j];
-  }
-  const RoundVec16 rv(c);
-  for (j = 0; j < n_pad; j += 16) {
-    const int64_t left = std::min<int64_t>(16, n - j);
-    const __mmask16 live = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 out = static_cast<__mmask16>((1u << std::min<int64_t>(16, n_pad - j)) - 1);
-    const __m512i r = _mm512_maskz_mov_epi32(live, round_p16<E4M3>(_mm512_maskz_loadu_ps(live, s + j), rv));
-    if (keep) _mm512_mask_storeu_epi32(s + j, out, r);
-    _mm512_mask_cvtepi32_storeu_epi16(dst + j, out, _mm512_srli_epi32(r, 16));
-  }
-  return sum;
+  for (; j + 16 <= n; j += 16) (Vec::loadu(s + j) * vd - vm).exp().store(s + j);
+  if (j < n) (Vec::loadu(s + j, n - j) * vd - vm).exp().store(s + j, n - j);
+  return round_sum_to_bf16<E4M3>(s, n, n_pad, c, dst, keep);
 }
 #endif
 

@@ -67,7 +67,7 @@ bool decode_codes(const uint8_t* codes, int64_t n, const float* decode_table, bo
 bool decode_codes_bf16(const uint8_t* codes, int64_t n, const float* decode_table, bool simd, bool e4m3, uint16_t* out);
 std::string decoder_kind(const float* decode_table, bool e4m3);
 bool simd_decoder(const float* decode_table, bool e4m3);
-void round_p(float* x, int64_t n, const std::vector<int64_t>& round_consts, bool simd);
+void round_p(float* x, int64_t n, const std::vector<int64_t>& round_consts, bool simd, bool bf16);
 void round_p_e4m3(float* x, int64_t n, bool simd, bool bf16);
 bool dot_sums16(const float* x, float* out);
 

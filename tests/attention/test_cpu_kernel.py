@@ -469,10 +469,12 @@ def test_few_row_scores_sum_their_lanes_by_one_add_tree_bit_for_bit():
 
 @needs_kernel
 def test_kernel_rounding_of_p_is_the_table_bit_for_bit():
-    """The kernel's HiF8 rounding of P (8 lanes of integer ops on AVX2 / AVX-512 builds, the
-    scalar rule in the tail and elsewhere) against the rounding table, exhaustively: every top-16
-    pattern of fp32 (NaNs, ±Inf, denormals, both signs, every threshold) with low bits 0, 0xFFFF
-    and random, in the SIMD body and the scalar tail (odd lengths, shifted starts)."""
+    """The kernel's HiF8 rounding of P (32 lanes of 16-bit words with table lookups and 16 lanes
+    of 32-bit ones on AVX-512 builds, 8 lanes on AVX2, the scalar rule in the tail and elsewhere;
+    and the bf16 dot products' rounding with its bf16 copy, on AVX512_BF16 builds) against the
+    rounding table, exhaustively: every top-16 pattern of fp32 (NaNs, ±Inf, denormals, both
+    signs, every threshold) with low bits 0, 0xFFFF and random, in the SIMD body and the tails
+    (odd lengths, shifted starts)."""
     from qfa.cast import rounding
 
     mod = cpu_kernel._module
@@ -485,10 +487,11 @@ def test_kernel_rounding_of_p_is_the_table_bit_for_bit():
         x = (top | low)[torch.randperm(1 << 16, generator=gen)]
         want = table[(x >> 16) & 0xFFFF]
         assert torch.equal(rounding.round_hif8_bits(x), want)  # the two rule-holders agree
-        for simd in (True, False):
-            for start, stop in ((0, 1 << 16), (3, (1 << 16) - 2), (5, 12)):
-                got = mod.round_p(x[start:stop].view(torch.float32), cpu_kernel._ROUND_CONSTS, simd)
-                assert torch.equal(got.view(torch.int32), want[start:stop]), (simd, start, stop)
+        variants = [(True, False), (False, False)] + ([(True, True)] if mod.has_bf16_dot() else [])
+        for simd, bf16 in variants:
+            for start, stop in ((0, 1 << 16), (3, (1 << 16) - 2), (5, 12), (7, 40), (1, 32)):
+                got = mod.round_p(x[start:stop].view(torch.float32), cpu_kernel._ROUND_CONSTS, simd, bf16)
+                assert torch.equal(got.view(torch.int32), want[start:stop]), (simd, bf16, start, stop)
 
 
 @needs_kernel
