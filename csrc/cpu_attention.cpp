@@ -510,6 +510,7 @@ bool qfa_kernel::dot_sums16(const float* x, float* out) {
 // round_sum_to_bf16 (keep) in a row padded past its n values, as the walk's causal rows are: the
 // pad's words and floats must come back zero, what lies past it untouched, and the fp32 result
 // must be the bf16 copy.
+namespace {
 template <bool E4M3>
 void round_p_bf16(float* x, int64_t n, const RoundConsts& rc) {
 #ifdef QFA_BF16_DOT
@@ -534,6 +535,7 @@ void round_p_bf16(float* x, int64_t n, const RoundConsts& rc) {
   QFA_CHECK(false, "bf16: needs the AVX512_BF16 build");
 #endif
 }
+}  // namespace
 
 // The kernel's roundings of P on their own (tests): 32 / 16 / 8 lanes and the scalar tail, or the
 // scalar rule alone (simd false); bf16: the bf16 dot products' rounding, its fp32 result.
@@ -544,7 +546,7 @@ void qfa_kernel::round_p(float* x, int64_t n, const std::vector<int64_t>& round_
 }
 
 void qfa_kernel::round_p_e4m3(float* x, int64_t n, bool simd, bool bf16) {
-  if (bf16) return round_p_bf16<true>(x, n, round_consts_of({15, 7, 3, 0, 0, 0, 0}));  // (E4M3 reads none)
+  if (bf16) return round_p_bf16<true>(x, n, RoundConsts{});  // (E4M3 reads none of them)
   round_row_e4m3(x, n, simd);
 }
 

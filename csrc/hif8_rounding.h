@@ -41,6 +41,10 @@ RoundConsts round_consts_of(const std::vector<int64_t>& v) {
                 int32_t(v[6]), {}, {}};
   for (int32_t t : {c.min_denormal, c.underflow, c.max_bits, c.nan_bits})
     QFA_CHECK((t & 0xFFFF) == 0, "round_consts: the thresholds' low halves must be zero (the rule reads the top 16 bits)");
+  // The tables stop at |e| = 31: every band and the smallest kept binade must lie within them.
+  const int32_t e_min = std::abs((c.min_denormal >> 23) - 127);
+  QFA_CHECK(c.band[0] < 31 && c.band[1] < 31 && c.band[2] < 31 && e_min <= 31,
+            "round_consts: bands and min_denormal's binade must lie within |e| <= 31");
   for (int e = 0; e < 32; ++e) {
     const int m = (e <= c.band[0]) + (e <= c.band[1]) + (e <= c.band[2]);
     const int32_t h = (1 << 22) >> m;  // a multiple of 2^16: m <= 3

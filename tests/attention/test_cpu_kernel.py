@@ -495,6 +495,19 @@ def test_kernel_rounding_of_p_is_the_table_bit_for_bit():
 
 
 @needs_kernel
+@pytest.mark.parametrize("index,value,words", [(3, 0x34800001, "low halves"), (0, 31, "within"),
+                                               (3, 0x2F000000, "within")],
+                         ids=["threshold-low-half", "band-past-the-tables", "min-denormal-past-the-tables"])
+def test_rounding_constants_the_word_rule_cannot_hold_are_refused(index, value, words):
+    """The 16-bit word rule and its 32-entry tables hold only for thresholds with zero low halves
+    and binades within |e| <= 31: constants outside that are refused, not rounded wrongly."""
+    consts = list(cpu_kernel._ROUND_CONSTS)
+    consts[index] = value
+    with pytest.raises(RuntimeError, match=words):
+        cpu_kernel._module.round_p(torch.ones(4), consts, True, False)
+
+
+@needs_kernel
 @pytest.mark.parametrize("q_len", [20, 300], ids=["decoded-per-block", "predecoded"])
 def test_nan_value_in_a_many_row_block_poisons_as_in_the_torch_path(q_len, monkeypatch):
     """Blocks of more than 16 rows run the register-tiled GEMMs; a block holding a NaN value
