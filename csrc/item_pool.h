@@ -145,13 +145,16 @@ class Pool {
       steer();
       region_ = r;
       ++generation_;
+      published_.store(generation_, std::memory_order_release);
     }
     if (r->helpers > 0) cv_.notify_all();
     {
       SingleThreadedBlas one;
       r->drain();
     }
-    {
+    // An item a helper still runs usually ends within microseconds: spin before sleeping.
+    for (const int64_t until = now_us() + kSpinUs; r->done.load() != r->n && now_us() < until;) cpu_relax();
+    if (r->done.load() != r->n) {
       std::unique_lock<std::mutex> lk(r->m);
       r->cv.wait(lk, [&] { return r->done.load() == r->n; });
     }
@@ -193,6 +196,12 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       std::shared_ptr<Region> r;
+      // The next region often follows within microseconds (a pass's statistics, then its
+      // encode): spin for it before sleeping, as an OpenMP worker does, so its wake-up costs
+      // no futex round trip through the hypervisor.
+      for (const int64_t until = now_us() + kSpinUs;
+           published_.load(std::memory_order_acquire) == seen && now_us() < until;)
+        cpu_relax();
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return generation_ != seen; });
@@ -210,6 +219,8 @@ class Pool {
   std::vector<std::thread> threads_;
   std::shared_ptr<Region> region_;
   uint64_t generation_ = 0;
+  std::atomic<uint64_t> published_{0};  // generation_, read without mu_ by spinning threads
+  static constexpr int64_t kSpinUs = 50;
   int steered_for_ = -1;    // the caller CPU the threads' affinity excludes, -1 for none yet
 };
 
