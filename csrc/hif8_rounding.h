@@ -1,5 +1,5 @@
 // HiF8 rounding of P (E4M3's too, for quant_modes 1 and 6) and the softmax's row helpers: the bit rule of qfa/cast/rounding.py on fp32
-// bit patterns (scalar, 8 and 16 lanes, every width the same bits), the row maximum with torch's
+// bit patterns (scalar, 8 and 16 lanes, 32 high halves: every width the same bits), the row maximum with torch's
 // NaN propagation, the vectorised exp, and the bf16 conversions of the kernel's values (exact
 // values, HiF8 codes' and rounded P's, to bf16 for the dot products; the output's O / l rounded
 // ties away). These are the numerics every path shares: the tiles and the walk only call them.
@@ -153,9 +153,9 @@ struct RoundVec16 {
 // clamp, |e|, half and its mask, the compares) is the 32-bit step shifted down by 16, and the
 // result's low half is zero. |e| past 31 only occurs below min_denormal, where `below` decides, so
 // half and the mask come from two 32-entry word tables (vpermw; RoundConsts builds them and
-// checks the low halves) indexed by min(|e|, 31). Half
-// the lanes' work of RoundVec16 per value and two table lookups for the three band compares:
-// the rounding was a tenth of a prefill call on the Zen 4 EPYC.
+// checks the constants) indexed by min(|e|, 31). Twice RoundVec16's values per instruction, and
+// two lookups for its three band compares: the rounding was a tenth of a prefill call on the
+// Zen 4 EPYC.
 struct RoundWords {
   __m512i half_tab, mask_tab, max_hi, min_denormal, underflow_m1, nan_hi, inf_hi;
   explicit RoundWords(const RoundConsts& c) {
@@ -194,8 +194,9 @@ inline __m512i widen_lo(__m512i w) { return _mm512_slli_epi32(_mm512_cvtepu16_ep
 inline __m512i widen_hi(__m512i w) { return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16); }
 #endif
 
-// HiF8 rounding of a row of P in place: 16 lanes at a time where the build has AVX-512, 8 where
-// it has AVX2, the same bit rule in scalar code for the tail (and everywhere else).
+// HiF8 rounding of a row of P in place: 32 words, then 16 lanes, at a time where the build has
+// AVX-512, 8 lanes where it has AVX2, the same bit rule in scalar code for the tail (and
+// everywhere else).
 inline void round_row(float* p, int64_t n, const RoundConsts& c, bool simd = true) {
   int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
