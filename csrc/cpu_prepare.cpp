@@ -952,6 +952,76 @@ int64_t qfa_rotate_rows(const void* x, int64_t dt, void* out, int64_t odt, int64
   return 0;
 }
 
+// ---- a step's token rows: its queries, and its keys and values into a paged cache -----------------
+
+// Tokens per chunk of qfa_encode_tokens (times the heads: its rows).
+constexpr int64_t kTokenChunk = 32;
+
+// The first token whose slot is at or beyond `capacity`, or repeats an earlier token's slot
+// (`repeated` says which), or -1 when every slot is in range and named once. Negative slots
+// (vLLM's padding) are neither.
+static int64_t bad_slot(const void* slots, bool i32, int64_t n, int64_t capacity, bool& repeated) {
+  std::vector<std::pair<int64_t, int64_t>> named;
+  named.reserve(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t s = i32 ? static_cast<const int32_t*>(slots)[t] : static_cast<const int64_t*>(slots)[t];
+    if (s < 0) continue;
+    if (s >= capacity) { repeated = false; return t; }
+    named.push_back({s, t});
+  }
+  std::sort(named.begin(), named.end());
+  int64_t first = -1;
+  for (size_t i = 1; i < named.size(); ++i)
+    if (named[i].first == named[i - 1].first && (first < 0 || named[i].second < first)) first = named[i].second;
+  repeated = first >= 0;
+  return first;
+}
+
+// The HiF8 codes of token rows x (tokens, heads, 128; element strides st, sh; last stride 1):
+// per row the codes of H (x - mu) / scale (mu: fp32 (heads, 128) or null; rotated or not;
+// saturating), the bits of qfa_prep_encode's. Row (t, h) goes to out + b * s_block + h * s_head
+// + o * s_slot, where without slots b = 0 and o = t, and with them (int32 when slots_i32, else
+// int64) b and o are slots[t]'s block and offset (block_size per block); a negative slot skips
+// its token (vLLM's padding). Every slot is checked before a byte is written: one at or beyond
+// blocks * block_size, or one an earlier token named, returns -2 with that token in *bad (and -3
+// for a repeat), nothing written. -1: an ISA the CPU lacks. *saturated: how many finite
+// prepared values reached the overflow threshold.
+int64_t qfa_encode_tokens(const void* x, int64_t dt, int64_t tokens, int64_t heads, int64_t st, int64_t sh,
+                          const float* mu, int64_t rotate, double c, double scale, uint8_t* out, const void* slots,
+                          int64_t slots_i32, int64_t block_size, int64_t blocks, int64_t s_block, int64_t s_head,
+                          int64_t s_slot, int64_t threads, int64_t isa, int64_t* saturated, int64_t* bad) {
+  int level = pick(isa);
+  if (level < 0) return -1;
+  *saturated = 0;
+  if (slots) {
+    bool repeated = false;
+    const int64_t t = bad_slot(slots, slots_i32 != 0, tokens, blocks * block_size, repeated);
+    if (t >= 0) { *bad = t; return repeated ? -3 : -2; }
+  }
+  const char* xb = static_cast<const char*>(x);
+  const int d = (int)dt;
+  const Divisor dv = divisor_of((float)scale);
+  const int64_t n = (tokens + kTokenChunk - 1) / kTokenChunk;
+  std::vector<int64_t> sat(n, 0);
+  run_chunks(n, tokens * heads, threads, [&](int64_t i) {
+    for (int64_t t = i * kTokenChunk; t < std::min(tokens, (i + 1) * kTokenChunk); ++t) {
+      int64_t b = 0, o = t;
+      if (slots) {
+        const int64_t s = slots_i32 ? static_cast<const int32_t*>(slots)[t] : static_cast<const int64_t*>(slots)[t];
+        if (s < 0) continue;
+        b = s / block_size;
+        o = s % block_size;
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        RowIn in{xb + (t * st + h * sh) * esize(d), d, mu ? mu + h * kD : nullptr, rotate != 0, (float)c};
+        encode_rows(level, in, 1, 0, out + b * s_block + h * s_head + o * s_slot, 0, dv, sat[i]);
+      }
+    }
+  });
+  for (int64_t i = 0; i < n; ++i) *saturated += sat[i];
+  return 0;
+}
+
 // Spans of the plain cast: one thread's share is at least this many elements (a few hundred
 // microseconds of work), so small tensors never open a parallel region.
 constexpr int64_t kGrain = 1 << 18;

@@ -26,6 +26,8 @@ BENCHES = {
     "attention": ("qfa.tools.bench.attention", "quant_flash_attn torch path vs SDPA: time, GFLOP/s, memory, accuracy"),
     "calibration": ("qfa.tools.bench.calibration", "calibration rules measured on a real model's attention activations"),
     "vllm": ("qfa.tools.bench.vllm", "vLLM with qfa's HiF8 KV cache vs its bf16 and fp8 caches: capacity, accuracy, speed"),
+    "vllm-layer": ("qfa.tools.bench.vllm_layer", "one attention layer's step in vLLM: qfa's backend vs CPU_ATTN's "
+                   "bf16 and fp8 caches"),
     "dropin": ("qfa.tools.bench.dropin", "qfa.hif8_attention with its defaults vs SDPA in the same dtype: time, "
                "preparation share, load"),
 }

@@ -236,13 +236,18 @@ def quantized_inputs(c: DropinCall, check_static: Callable[[torch.Tensor, str, t
     return [d[0] for d in done], [d[1] for d in done], done[1][2]
 
 
-def restore_output(out: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def restore_output(out: torch.Tensor, dtype: torch.dtype, *, into: Optional[torch.Tensor] = None
+                   ) -> Optional[torch.Tensor]:
     """``rotation.rotate(out)`` cast to ``dtype`` (finite values beyond its range saturate, as
-    :func:`qfa.dropin.eager.saturating_cast`), in one native pass; None where the
-    native pass does not apply."""
+    :func:`qfa.dropin.eager.saturating_cast`), in one native pass, written into ``into`` (a
+    contiguous ``dtype`` tensor of out's shape, e.g. an engine's output buffer) when given; None
+    where the native pass does not apply (nothing written)."""
     if not native_rows(out) or dtype not in cpu_prepare.DTYPE_CODES:
         return None
-    return cpu_prepare.rotate_rows(out.contiguous(), dtype, ROTATION_C)
+    if into is not None and (into.dtype != dtype or into.shape != out.shape or not into.is_contiguous()
+                             or into.device.type != "cpu"):
+        return None
+    return cpu_prepare.rotate_rows(out.contiguous(), dtype, ROTATION_C, out=into)
 
 
 def _check_tokens(x, mean, rotate, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -303,6 +308,10 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
     elsewhere, and for other rules, the same functions in torch ops.
     """
     mean, scale = _check_tokens(x, mean, rotate, scale, calibration)
+    if scale is not None and native_rows(x) and (mean is None or mean.device.type == "cpu"):  # pass 2 alone
+        codes, saturated = cpu_prepare.encode_token_rows(_rows(x), float(scale), ROTATION_C,
+                                                         mean=None if mean is None else mean.contiguous(), rotate=rotate)
+        return codes, scale, torch.tensor(saturated, dtype=torch.int64)
     reduction = fused_reduction(calibration) if scale is None else None
     if native_rows(x) and (mean is None or mean.device.type == "cpu") and (scale is not None or reduction is not None):
         segs = [0, 0, x.shape[0], x.shape[0]]
@@ -321,3 +330,53 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
     scaled = y / scale  # quantize's own division
     saturated = ((scaled.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(scaled)).sum()
     return codes.contiguous(), scale, saturated
+
+
+def _slot_error(refused: cpu_prepare.SlotRefused, slots: torch.Tensor, capacity: int, name: str) -> ValueError:
+    slot = int(slots[refused.token])
+    if refused.repeated:
+        first = int((slots == slot).nonzero()[0, 0])
+        return ValueError(f"{name} names slot {slot} for tokens {first} and {refused.token}: a call writes each slot once")
+    return ValueError(f"{name} holds slot {slot} (token {refused.token}), beyond the cache's {capacity} slots")
+
+
+def write_tokens(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor, *,
+                 mean: Optional[torch.Tensor] = None, rotate: bool = True, slots_name: str = "slots") -> int:
+    """:func:`encode_tokens`' codes of ``x`` (tokens, heads, 128) with a static ``scale`` written
+    into a paged cache: ``cache`` is uint8 (blocks, heads, block_size, 128) (a PA_BNBD K or V
+    view), and token t's rows go to block ``slots[t] // block_size`` at offset ``slots[t] %
+    block_size``; a negative slot skips its token (a serving engine's padding). Returns the
+    saturated count. All or nothing: a slot beyond the cache, or one two tokens name, raises a
+    ValueError naming ``slots_name`` and leaves the cache as it was. On CPU one native pass (no
+    codes tensor in between); elsewhere :func:`encode_tokens` and an indexed write, same bits."""
+    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 4 or \
+            not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(cache.shape[1::2]) != (x.shape[1], HEAD_DIM):
+        raise ValueError(f"cache must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's heads, got "
+                         f"{getattr(cache, 'dtype', type(cache).__name__)} {tuple(getattr(cache, 'shape', ()))} for x "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
+            tuple(slots.shape) != (x.shape[0],):
+        raise ValueError(f"{slots_name} must be int32 / int64 of shape ({x.shape[0]},) (one slot per token), got "
+                         f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+    capacity = cache.shape[0] * cache.shape[2]
+    if native_rows(x) and (mean is None or mean.device.type == "cpu") and cache.device.type == "cpu" and \
+            slots.device.type == "cpu":
+        mean, scale = _check_tokens(x, mean, rotate, scale, None)
+        written = cpu_prepare.write_token_rows(_rows(x), cache, slots.contiguous(), float(scale), ROTATION_C,
+                                               mean=None if mean is None else mean.contiguous(), rotate=rotate)
+        if isinstance(written, cpu_prepare.SlotRefused):
+            raise _slot_error(written, slots, capacity, slots_name)
+        return written
+    real = slots >= 0
+    named = slots[real].long()
+    if named.numel() and int(named.max()) >= capacity:
+        token = int(((slots >= capacity) & real).nonzero()[0, 0])
+        raise _slot_error(cpu_prepare.SlotRefused(token, False), slots, capacity, slots_name)
+    if named.unique().numel() != named.numel():
+        order = slots.tolist()
+        token = next(t for t, s in enumerate(order) if s >= 0 and s in order[:t])
+        raise _slot_error(cpu_prepare.SlotRefused(token, True), slots, capacity, slots_name)
+    codes, _, saturated = encode_tokens(x if bool(real.all()) else x[real], mean=mean, rotate=rotate, scale=scale)
+    block_size = cache.shape[2]
+    cache[named // block_size, :, named % block_size] = codes
+    return int(saturated)

@@ -11,7 +11,10 @@ What it computes, per row of 128 values (a head vector):
   or Inf; optionally the K means first (per segment and head, see :func:`key_means`);
 * ``prep_encode`` (pass 2): the HiF8 codes of ``H (x - mu) / scale`` for every row, and the count
   of finite values that reached the overflow threshold (saturated to +-MAX);
-* ``encode_flat`` / ``quantize_flat``: the plain cast of a contiguous tensor (and of ``x / scale``).
+* ``encode_flat`` / ``quantize_flat``: the plain cast of a contiguous tensor (and of ``x / scale``);
+* ``encode_token_rows`` / ``write_token_rows``: pass 2 alone for a step's token rows (T, N, 128)
+  with a known scale, into new codes or straight into the slots of a paged cache (a serving
+  engine's queries and cache writes: one call, checked before anything is written).
 
 The encoder rounds the 16-bit word of each value (a bf16 pattern, or an fp32 pattern's upper
 half: HiF8 rounding reads nothing below it). On AVX-512 (F/BW/DQ/VL) 32 words a register, the
@@ -80,6 +83,7 @@ _SIGNATURES = {
     "qfa_rotate_rows": (_I, [_P, _I, _P, _I, _I, _D, _I, _I]),
     "qfa_encode_flat": (_I, [_P, _I, _P, _I, _I, _I, _I]),
     "qfa_quantize_flat": (_I, [_P, _I, _P, _I, _D, _I, _I]),
+    "qfa_encode_tokens": (_I, [_P, _I, _I, _I, _I, _I, _P, _I, _D, _D, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P]),
 }
 
 _lock = threading.Lock()  # held for the build: a second caller waits for it
@@ -298,10 +302,16 @@ def _checked(result: int, what: str) -> int:
     return result
 
 
-def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int | None = None) -> torch.Tensor:
+def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``H x`` per row of 128 of a contiguous float ``x`` (..., 128), as a new ``out_dtype``
-    tensor of x's shape (finite values beyond a narrower dtype's range saturate)."""
-    out = torch.empty(x.shape, dtype=out_dtype)
+    tensor of x's shape, or into ``out`` (contiguous, that dtype and shape; it must not overlap
+    x) (finite values beyond a narrower dtype's range saturate)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype)
+    elif out.dtype != out_dtype or out.shape != x.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {tuple(x.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
     if x.numel():
         _checked(module().qfa_rotate_rows(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), DTYPE_CODES[out_dtype],
                                           x.numel() // 128, c, torch.get_num_threads(), _isa(isa)), "rotate_rows")
@@ -316,6 +326,73 @@ def encode_flat(x: torch.Tensor, inf_mode: bool = False, isa: int | None = None)
         _checked(module().qfa_encode_flat(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), x.numel(), int(inf_mode),
                                           torch.get_num_threads(), _isa(isa)), "encode_flat")
     return out
+
+
+def _token_args(x: torch.Tensor, mean: torch.Tensor | None) -> tuple:
+    """The C arguments of token rows ``x`` (T, N, 128) and their K means (fp32 (N, 128))."""
+    if x.dim() != 3 or x.shape[-1] != 128 or x.dtype not in DTYPE_CODES or (x.numel() and x.stride(-1) != 1):
+        raise ValueError(f"token rows must be float (tokens, heads, 128) with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous()
+                             or tuple(mean.shape) != (x.shape[1], 128)):
+        raise ValueError(f"mean must be a contiguous fp32 (heads, 128) = {(x.shape[1], 128)} tensor, got "
+                         f"{mean.dtype} {tuple(mean.shape)}")
+    return (x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+            None if mean is None else mean.data_ptr())
+
+
+def encode_token_rows(x: torch.Tensor, scale: float, c: float, *, mean: torch.Tensor | None = None,
+                      rotate: bool = True, isa: int | None = None) -> tuple[torch.Tensor, int]:
+    """``(codes, saturated)``: the uint8 codes (T, N, 128), contiguous, of ``H (x - mean) / scale``
+    per row of the token rows ``x`` (T, N, 128) (the bits of :func:`encode_rows`), and how many
+    finite values reached the overflow threshold."""
+    args = _token_args(x, mean)
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
+    if x.numel():
+        _checked(module().qfa_encode_tokens(*args, int(rotate), c, scale, out.data_ptr(), None, 0, max(1, x.shape[0]), 1,
+                                            0, 128, x.shape[1] * 128, torch.get_num_threads(), _isa(isa),
+                                            ctypes.byref(sat), ctypes.byref(bad)), "encode_token_rows")
+    return out, sat.value
+
+
+class SlotRefused(NamedTuple):
+    """Why :func:`write_token_rows` wrote nothing: ``token``'s slot is beyond the cache, or
+    (``repeated``) names a slot an earlier token of the call names too."""
+
+    token: int
+    repeated: bool
+
+
+def write_token_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float, c: float, *,
+                     mean: torch.Tensor | None = None, rotate: bool = True,
+                     isa: int | None = None) -> int | SlotRefused:
+    """The codes of :func:`encode_token_rows` written into ``cache`` (uint8 (blocks, N,
+    block_size, 128), contiguous rows: a paged cache's K or V view) at ``slots`` (int32 / int64
+    (T,), contiguous): token t's rows go to block ``slots[t] // block_size``, offset ``slots[t] %
+    block_size``; a negative slot skips its token. Returns the saturated count, or, having
+    written nothing, the :class:`SlotRefused` of a slot beyond the cache or named twice."""
+    args = _token_args(x, mean)
+    if cache.dtype != torch.uint8 or cache.dim() != 4 or tuple(cache.shape[1::2]) != (x.shape[1], 128) or \
+            (cache.numel() and cache.stride(-1) != 1):
+        raise ValueError(f"cache must be uint8 (blocks, {x.shape[1]}, block_size, 128) with contiguous rows, got "
+                         f"{cache.dtype} {tuple(cache.shape)} strides {cache.stride()}")
+    if slots.dtype not in (torch.int32, torch.int64) or tuple(slots.shape) != (x.shape[0],) or \
+            (slots.numel() and slots.stride(0) != 1):
+        raise ValueError(f"slots must be a contiguous int32 / int64 ({x.shape[0]},) tensor, got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
+    sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
+    if x.shape[0] == 0:
+        return 0
+    blocks, _, block_size, _ = cache.shape
+    result = module().qfa_encode_tokens(*args, int(rotate), c, scale, cache.data_ptr(), slots.data_ptr(),
+                                        int(slots.dtype == torch.int32), block_size, blocks, cache.stride(0),
+                                        cache.stride(1), cache.stride(2), torch.get_num_threads(), _isa(isa),
+                                        ctypes.byref(sat), ctypes.byref(bad))
+    if result in (-2, -3):
+        return SlotRefused(bad.value, result == -3)
+    _checked(result, "write_token_rows")
+    return sat.value
 
 
 def quantize_flat(x: torch.Tensor, scale: float, isa: int | None = None) -> tuple[torch.Tensor, int]:

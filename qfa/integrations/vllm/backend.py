@@ -215,9 +215,8 @@ class QfaHiF8Impl(AttentionImpl):
             return self._calibration.layer_state(extract_layer_index(layer.layer_name), heads, key.device)
         return LayerState.measure(key, value, self.options.transform, self.rule, _tp_group())
 
-    def _count_saturated(self, layer, count: torch.Tensor) -> None:
+    def _count_saturated(self, layer, n: int) -> None:
         state = self.state
-        n = int(count)
         if n == 0:
             return
         state.saturated += n
@@ -241,32 +240,23 @@ class QfaHiF8Impl(AttentionImpl):
                 raise ValueError(f"{name} must be (>= {tokens} tokens, {expected[0]} kv heads, {expected[1]}) for "
                                  f"slot_mapping's {tokens} slots, got {tuple(t.shape)}")
         key, value = key[:tokens], value[:tokens]
-        real = slot_mapping >= 0  # vLLM pads a batch with slot -1
-        if not bool(real.all()):
-            key, value, slot_mapping = key[real], value[real], slot_mapping[real]
-        if key.shape[0] == 0:
-            return
         k_cache, v_cache = cache_views(kv_cache)
-        blocks_total, _, block_size, _ = k_cache.shape
-        slots = slot_mapping.long()
-        if int(slots.max()) >= blocks_total * block_size:
-            raise ValueError(f"slot_mapping holds slot {int(slots.max())}, beyond the cache's "
-                             f"{blocks_total} blocks of {block_size} tokens")
-        # everything is computed before anything is kept: a call that fails leaves the cache and
+        # everything is checked before anything is kept: a call that fails leaves the cache and
         # the layer's state as they were
-        state = self._layer_state(layer, key, value)
-        k_codes, k_sat = state.encode_keys(key)
-        v_codes, v_sat = state.encode_values(value)
-        blocks, offsets = slots // block_size, slots % block_size
-        k_cache[blocks, :, offsets] = k_codes
-        v_cache[blocks, :, offsets] = v_codes
+        state = self.state
+        if state is None:  # the first real tokens fix the scales (vLLM pads a batch with slot -1)
+            real = slot_mapping >= 0
+            if not bool(real.any()):
+                return
+            state = self._layer_state(layer, key[real], value[real])
+        saturated = state.write(key, value, k_cache, v_cache, slot_mapping)
         if self.state is None:
             self.state = state
             if self._calibration is None:
                 logger.info("qfa: %s fixed its HiF8 scales from its first %d tokens: k_scale %g, v_scale %g",
-                            getattr(layer, "layer_name", "a layer"), key.shape[0], float(state.k_scale),
-                            float(state.v_scale))
-        self._count_saturated(layer, k_sat + v_sat)
+                            getattr(layer, "layer_name", "a layer"), int((slot_mapping >= 0).sum()),
+                            float(state.k_scale), float(state.v_scale))
+        self._count_saturated(layer, saturated)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Optional[QfaMetadata], output: Optional[torch.Tensor] = None,
@@ -294,10 +284,8 @@ class QfaHiF8Impl(AttentionImpl):
             seqused_kv=attn_metadata.seqused_kv, metadata=attn_metadata.plan, softmax_scale=self.scale,
             mask_mode=MaskMode.CAUSAL, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
         )
-        restored = restore_output(o, out.dtype) if state.transform.rotate else None
-        if restored is None:
-            restored = state.transform.rotated(o) if state.transform.rotate else o
-        out.copy_(restored)
+        if not (state.transform.rotate and restore_output(o, out.dtype, into=out) is not None):
+            out.copy_(state.transform.rotated(o) if state.transform.rotate else o)
         if fixes_q_scale:  # kept once the call has succeeded
             self.q_scale = q_scale
         return output

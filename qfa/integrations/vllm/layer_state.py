@@ -21,7 +21,7 @@ import torch
 
 from qfa.dropin import calibration as cal
 from qfa.dropin import rotation
-from qfa.dropin.prepare import encode_tokens
+from qfa.dropin.prepare import encode_tokens, write_tokens
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,19 @@ class LayerState:
     def encode_queries(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Codes of queries (T, Nq, 128): rotated, scaled by ``scale``, saturating."""
         return encode_tokens(q, rotate=self.transform.rotate, scale=scale)[0]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> int:
+        """Writes the codes of :meth:`encode_keys` and :meth:`encode_values` of a step's keys and
+        values (T, Nkv, 128) straight into a paged cache's K and V views (blocks, Nkv,
+        block_size, 128) at ``slots`` (vLLM's ``slot_mapping``: negative slots are padding and
+        skipped); returns how many values saturated. All or nothing: a slot beyond the cache or
+        named twice raises a ValueError naming ``slot_mapping``, with nothing written."""
+        if tuple(v.shape) != tuple(k.shape) or tuple(v_cache.shape) != tuple(k_cache.shape):
+            raise ValueError(f"value must be shaped as key {tuple(k.shape)} and v_cache as k_cache "
+                             f"{tuple(k_cache.shape)}, got {tuple(v.shape)} and {tuple(v_cache.shape)}")
+        rotate = self.transform.rotate
+        saturated = write_tokens(k, k_cache, slots, self.k_scale, mean=self.k_mean, rotate=rotate,
+                                 slots_name="slot_mapping")
+        # the same slots and cache geometry: what K's write accepted, V's accepts
+        return saturated + write_tokens(v, v_cache, slots, self.v_scale, rotate=rotate, slots_name="slot_mapping")

@@ -19,11 +19,12 @@ def median_seconds(fn: Callable[[], object], *, min_runs: int = 5, min_total: fl
 
 
 def interleaved_medians(fns: Mapping[str, Callable[[], object]], *, min_runs: int = 5, min_total: float = 0.2,
-                        max_runs: int = 50) -> dict[str, float]:
+                        max_runs: int = 50, before: Callable[[], object] | None = None) -> dict[str, float]:
     """Median wall time of each call, timed in turns (one call of each per round, after one
     warm-up call of each): a shared host's slow minutes then fall on every call alike, so the
     ratios of the medians hold even where the absolute times drift. Rounds run until there are
-    ``min_runs`` and the rounds took ``min_total`` seconds, or ``max_runs``."""
+    ``min_runs`` and the rounds took ``min_total`` seconds, or ``max_runs``. ``before``, when
+    given, runs untimed before each timed call (what the call should follow, as in a model)."""
     if not fns:
         raise ValueError("expected at least one call to time, got none")
     for fn in fns.values():
@@ -33,6 +34,8 @@ def interleaved_medians(fns: Mapping[str, Callable[[], object]], *, min_runs: in
     rounds = 0
     while rounds < min_runs or (total < min_total and rounds < max_runs):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             start = time.perf_counter()
             fn()
             elapsed = time.perf_counter() - start
