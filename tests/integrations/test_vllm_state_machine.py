@@ -95,7 +95,8 @@ class BackendMachine(RuleBasedStateMachine):
         self.write(k, v, self.slots(seq, old, old + n))
         seq["k"], seq["v"] = torch.cat([seq["k"], k]), torch.cat([seq["v"], v])
 
-    @rule(kind=st.sampled_from(["slot beyond the cache", "wrong heads", "value shorter"]), n=st.integers(1, 8))
+    @rule(kind=st.sampled_from(["slot beyond the cache", "slot named twice", "wrong heads", "value shorter"]),
+          n=st.integers(1, 8))
     def rejected_write(self, kind, n):
         before_cache = self.cache.clone()
         before_state = None if self.impl.state is None else (self.impl.state.k_scale.clone(),
@@ -105,6 +106,10 @@ class BackendMachine(RuleBasedStateMachine):
         slots = torch.arange(n)
         if kind == "slot beyond the cache":
             slots = slots + BLOCKS * BLOCK - n // 2
+        elif kind == "slot named twice":
+            slots[-1] = slots[0]
+            if n == 1:  # two tokens at least
+                k, v, slots = torch.cat([k, k]), torch.cat([v, v]), torch.cat([slots, slots])
         elif kind == "wrong heads":
             k = self.tokens(n, NKV + 1)
         else:

@@ -1,0 +1,232 @@
+"""``prepare.write_tokens``: a step's keys or values written straight into a paged cache's slots.
+
+* The native pass (``cpu_prepare.write_token_rows``) against the torch path (``QFA_NATIVE=0``:
+  ``encode_tokens`` in torch ops, then an indexed write) and against this file's reference (the
+  rotation, the division and the encode of each token, placed slot by slot): same codes, same
+  saturated count, for every dtype, with and without K means and rotation, int32 and int64
+  slots, padding, strided tokens and a cache view whose blocks are strided (vLLM's K half).
+* ``encode_token_rows`` (``encode_tokens`` with a static scale) at every SIMD level.
+* The same bits for one thread and two, and for every team of the passes.
+* All or nothing: a slot beyond the cache, a slot named twice, or a bad argument raises a
+  ValueError naming it, on both paths, and the cache keeps every byte. A state machine writes
+  random batches, valid and refused, against a model of what each slot should hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from qfa.attention.backends import cpu_kernel, cpu_prepare
+from qfa.dropin import calibration as cal
+from qfa.dropin import prepare, rotation
+
+pytestmark = pytest.mark.skipif(not cpu_prepare.available(), reason="the native CPU preparation is not built")
+
+D, HEADS, BLOCK = 128, 2, 16
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def tokens(n: int, seed: int, dtype=torch.float32, heads: int = HEADS, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(n, heads, D, generator=g) + 0.5) * scale).to(dtype)
+
+
+def vllm_cache(blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A vLLM-shaped cache (blocks, heads, block, 2 * 128) of random bytes and its K and V views."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randint(0, 256, (blocks, HEADS, BLOCK, 2 * D), generator=g, dtype=torch.uint8)
+    halves = cache.view(blocks, HEADS, 2, BLOCK, D)
+    return cache, halves[:, :, 0], halves[:, :, 1]
+
+
+def reference_write(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, scale: float, mean, rotate: bool) -> int:
+    """Each token alone: (x - mean), the rotation, x / scale and the encode, put at its slot."""
+    saturated = 0
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        y = x[t].float() if mean is None else x[t].float() - mean
+        y = rotation.rotate(y) if rotate else y
+        cache[slot // BLOCK, :, slot % BLOCK] = cal.quantize(y, scale)
+        q = y / torch.tensor(scale, dtype=torch.float32)
+        saturated += int(((q.abs() >= 40960.0) & torch.isfinite(q)).sum())
+    return saturated
+
+
+def slots_for(n: int, blocks: int, seed: int, padding: int = 0, dtype=torch.int64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(blocks * BLOCK, generator=g)[:n]
+    slots[torch.randperm(n, generator=g)[:padding]] = -1
+    return slots.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("with_mean", [True, False])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=str)
+def test_native_write_is_the_torch_path_and_the_reference(dtype, rotate, with_mean, slot_dtype, monkeypatch):
+    blocks, n = 7, 45
+    # strided tokens: the key columns of a fused qkv projection
+    qkv = tokens(n, seed=1, dtype=dtype, heads=3 * HEADS, scale=300.0)
+    x = qkv[:, HEADS:2 * HEADS]
+    assert not x.is_contiguous()
+    mean = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(2)) if with_mean else None
+    slots = slots_for(n, blocks, seed=3, padding=5, dtype=slot_dtype)
+    scale = torch.tensor([2.0 ** -6])  # small enough that some values saturate
+    caches = []
+    for native in ("1", "0"):
+        monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
+        cache, k_view, _ = vllm_cache(blocks, seed=4)
+        saturated = prepare.write_tokens(x, k_view, slots, scale, mean=mean, rotate=rotate)
+        caches.append((cache, saturated))
+    want, k_want, _ = vllm_cache(blocks, seed=4)
+    want_saturated = reference_write(k_want, x, slots, 2.0 ** -6, mean, rotate)
+    assert want_saturated > 0
+    for cache, saturated in caches:
+        assert torch.equal(cache, want) and saturated == want_saturated
+
+
+@pytest.mark.parametrize("level", range(len(cpu_prepare.ISA_NAMES)), ids=cpu_prepare.ISA_NAMES)
+def test_encode_token_rows_at_every_level_is_encode_tokens_torch_path(level, monkeypatch):
+    if level > cpu_prepare.isa_level():
+        pytest.skip(f"this CPU lacks {' / '.join(cpu_prepare.ISA_FLAGS[level])}")
+    x, mean = tokens(33, seed=5, dtype=torch.bfloat16, heads=3, scale=50.0), torch.randn(3, D)
+    got, saturated = cpu_prepare.encode_token_rows(x, 2.0 ** -10, prepare.ROTATION_C, mean=mean, isa=level)
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    want, _, want_saturated = prepare.encode_tokens(x, mean=mean, scale=2.0 ** -10)
+    assert torch.equal(got, want) and saturated == int(want_saturated) > 0
+
+
+@pytest.mark.parametrize("team", ["automatic", "caller", "openmp", "pool"])
+def test_no_bit_depends_on_the_threads_or_the_team(team):
+    n, blocks = 600, 40  # 1200 rows: a parallel pass
+    x, slots = tokens(n, seed=6, scale=400.0), slots_for(n, blocks, seed=7, padding=30)
+    results = []
+    try:
+        cpu_prepare.set_team(team)
+        for threads in (1, 2):
+            with torch.inference_mode():
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    cache, k_view, _ = vllm_cache(blocks, seed=8)
+                    results.append((cache, prepare.write_tokens(x, k_view, slots, torch.tensor([2.0 ** -6]))))
+                finally:
+                    torch.set_num_threads(before)
+    finally:
+        cpu_prepare.set_team("automatic")
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1] > 0
+
+
+REFUSALS = {
+    "slot beyond the cache": (lambda s: s.index_fill(0, torch.tensor([3]), 6 * BLOCK), ValueError,
+                              r"slot_mapping holds slot 96 \(token 3\), beyond the cache's 96 slots"),
+    "slot named twice": (lambda s: s.index_fill(0, torch.tensor([1, 4]), 17), ValueError,
+                         "slot_mapping names slot 17 for tokens 1 and 4: a call writes each slot once"),
+    "slots of another length": (lambda s: s[:-1], ValueError, r"slot_mapping must be int32 / int64 of shape \(6,\)"),
+    "float slots": (lambda s: s.float(), ValueError, "slot_mapping must be int32 / int64"),
+}
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+@pytest.mark.parametrize("kind", sorted(REFUSALS))
+def test_a_refused_write_leaves_every_byte(kind, native, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
+    change, exc, pattern = REFUSALS[kind]
+    cache, k_view, _ = vllm_cache(6, seed=9)
+    before = cache.clone()
+    x = tokens(6, seed=10)
+    slots = change(torch.tensor([5, 17, -1, 30, 41, 2]))
+    with pytest.raises(exc, match=pattern):
+        prepare.write_tokens(x, k_view, slots, torch.tensor([1.0]), slots_name="slot_mapping")
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("args,pattern", [
+    ({"cache": torch.zeros(4, HEADS + 1, BLOCK, D, dtype=torch.uint8)}, r"cache must be uint8 \(blocks, heads"),
+    ({"cache": torch.zeros(4, HEADS, BLOCK, D)}, "cache must be uint8"),
+    ({"scale": torch.tensor([0.0])}, "scale must be positive and finite, got 0.0"),
+    ({"mean": torch.zeros(HEADS + 1, D)}, r"mean must be fp32 of shape \(heads, 128\)"),
+])
+def test_bad_arguments_are_named_and_nothing_is_written(args, pattern):
+    cache, k_view, _ = vllm_cache(4, seed=11)
+    before = cache.clone()
+    call = {"x": tokens(3, seed=12), "cache": k_view, "slots": torch.tensor([0, 1, 2]), "scale": torch.tensor([1.0]),
+            **args}
+    mean = call.pop("mean", None)
+    with pytest.raises(ValueError, match=pattern):
+        prepare.write_tokens(call["x"], call["cache"], call["slots"], call["scale"], mean=mean)
+    assert torch.equal(cache, before)
+
+
+def test_write_tokens_leaves_its_inputs_alone():
+    x, mean, slots, scale = tokens(5, seed=13, dtype=torch.float16), torch.randn(HEADS, D), torch.tensor([3, -1, 9, 0, 7]), \
+        torch.tensor([0.125])
+    before = [t.clone() for t in (x, mean, slots, scale)]
+    _, k_view, _ = vllm_cache(2, seed=14)
+    prepare.write_tokens(x, k_view, slots, scale, mean=mean)
+    assert all(torch.equal(a, b) for a, b in zip((x, mean, slots, scale), before))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_restore_output_into_a_buffer_is_the_returned_tensor(dtype):
+    out = tokens(9, seed=15, dtype=torch.bfloat16, heads=4, scale=1e3)
+    want = prepare.restore_output(out, dtype)
+    buffer = torch.full((9 * 4 * D,), 7.0, dtype=dtype)
+    got = prepare.restore_output(out, dtype, into=buffer.view(9, 4, D))
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, want)
+    # a buffer it cannot fill (another dtype, a strided view) is left alone: None
+    other = torch.zeros(9, 4, D, dtype=torch.float64)
+    assert prepare.restore_output(out, dtype, into=other) is None and not other.any()
+    strided = torch.zeros(9, 8, D, dtype=dtype)[:, ::2]
+    assert prepare.restore_output(out, dtype, into=strided) is None and not strided.any()
+
+
+class SlotWrites(RuleBasedStateMachine):
+    """Random batches written into one cache, on either path, some refused; the model holds what
+    each slot should hold (its last token's codes, written by the reference), or the cache's
+    first bytes for a slot never written."""
+
+    BLOCKS = 5
+
+    @initialize(seed=st.integers(0, 2 ** 16))
+    def start(self, seed):
+        self.cache, self.k_view, _ = vllm_cache(self.BLOCKS, seed)
+        self.model, self.model_view, _ = vllm_cache(self.BLOCKS, seed)
+        self.mean = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(seed))
+        self.calls = 0
+
+    @rule(n=st.integers(1, 12), native=st.booleans(), kind=st.sampled_from(["valid", "padded", "beyond", "twice"]),
+          dtype=st.sampled_from(DTYPES), data=st.data())
+    def write(self, n, native, kind, dtype, data):
+        self.calls += 1
+        capacity = self.BLOCKS * BLOCK
+        slots = torch.tensor(data.draw(st.lists(st.integers(0, capacity - 1), min_size=n, max_size=n, unique=True)))
+        if kind == "padded":
+            slots[data.draw(st.integers(0, n - 1))] = -1
+        elif kind == "beyond":
+            slots[data.draw(st.integers(0, n - 1))] = capacity + data.draw(st.integers(0, 100))
+        elif kind == "twice" and n > 1:
+            a, b = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+            slots[b] = slots[a]
+        refused = kind == "beyond" or (kind == "twice" and n > 1)
+        x = tokens(n, seed=1000 + self.calls, dtype=dtype, scale=100.0)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu_kernel.ENV_VAR, "1" if native else "0")
+            if refused:
+                with pytest.raises(ValueError, match="slot_mapping"):
+                    prepare.write_tokens(x, self.k_view, slots, torch.tensor([0.5]), mean=self.mean,
+                                         slots_name="slot_mapping")
+                return
+            saturated = prepare.write_tokens(x, self.k_view, slots, torch.tensor([0.5]), mean=self.mean)
+        assert saturated == reference_write(self.model_view, x, slots, 0.5, self.mean, True)
+
+    @invariant()
+    def every_byte_is_the_models(self):
+        assert torch.equal(self.cache, self.model)
+
+
+TestSlotWrites = SlotWrites.TestCase
