@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from qfa.tools.bench.timing import human_count, interleaved_medians, markdown_table, parse_count
+from qfa.tools.bench.timing import human_count, interleaved_medians, markdown_table, parse_count, set_threads
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
@@ -142,10 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
     from qfa.tools.bench.attention import cpu_description
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     extra: list[str] = []
     met = []
     for n in tqdm(args.sizes, desc="bench cast", unit="size", leave=False):

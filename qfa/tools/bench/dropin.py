@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qfa.tools.bench.timing import interleaved_medians, markdown_table
+from qfa.tools.bench.timing import interleaved_medians, markdown_table, set_threads
 from qfa.tools.workloads import head_pairs, llm_like_qkv
 
 SEQS = (1024, 2048)
@@ -208,10 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if not cpu_prepare.available():
         print("the native CPU preparation is not available (see qfa.attention.backends.cpu_prepare): nothing to measure")
         return 1
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     cpu = cpu_description(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
     rows, speed_ok, prep_ok, load_ok = [], [], [], []
     headers = ["dtype", "S", "qfa ms", "SDPA ms", "qfa / SDPA", "prep ms", "prep share"]

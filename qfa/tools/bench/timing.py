@@ -45,6 +45,16 @@ def interleaved_medians(fns: Mapping[str, Callable[[], object]], *, min_runs: in
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def set_threads(threads: int | None) -> None:
+    """A bench's ``--threads``: torch's thread count for every measured call (None: torch's own)."""
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub-flavoured markdown table; floats are printed as given (pre-format them)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

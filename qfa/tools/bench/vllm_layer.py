@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from qfa.tools.bench.timing import interleaved_medians, markdown_table
+from qfa.tools.bench.timing import interleaved_medians, markdown_table, set_threads
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 HIDDEN, INTERMEDIATE = 1536, 8960
@@ -112,8 +112,8 @@ def _common(step: Step):
 
 def qfa_layer(step: Step, stack: contextlib.ExitStack):
     """qfa's backend on ``step``: its context written, then a callable running the step's
-    ``do_kv_cache_update`` and ``forward``. The step's forward context (which an engine sets
-    once for all its layers) is entered on ``stack``."""
+    ``do_kv_cache_update`` and ``forward`` into its ``output`` attribute (tokens, heads x 128). The
+    step's forward context (which an engine sets once for all its layers) is entered on ``stack``."""
     from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -135,6 +135,7 @@ def qfa_layer(step: Step, stack: contextlib.ExitStack):
     def run() -> None:
         impl.do_kv_cache_update(layer, step.k, step.v, cache, step.slots)
         impl.forward(layer, query, step.k, step.v, cache, metadata, output=output)
+    run.output = output  # what it writes (the tests compare the backends on it)
     return run
 
 
@@ -169,6 +170,7 @@ def cpu_attn_layer(step: Step, kv_cache_dtype: str):
     def run() -> None:
         impl.do_kv_cache_update(layer, step.k, step.v, cache, step.slots)
         impl.forward(layer, step.q, step.k, step.v, cache, metadata, output=output)
+    run.output = output
     return run
 
 
@@ -210,10 +212,7 @@ def run(args: argparse.Namespace) -> int:
     from qfa.attention.backends import cpu_kernel, cpu_prepare
     from qfa.tools.bench.attention import cpu_description
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     fp8 = fp8_cache_runs()
     headers = ["step", "qfa us", "CPU_ATTN bf16 us", "qfa / bf16"] + (["CPU_ATTN fp8 us", "qfa / fp8"] if fp8 else [])
     tables: dict[str, list] = {"back to back": [], "after an MLP-sized matmul": []}
