@@ -617,7 +617,7 @@ def _checked_shapes(q, k, v, layout, mode: QuantMode, layout_kv) -> tuple[dict, 
     return sizes
 
 
-def _check_call_devices(q: torch.Tensor, named: dict) -> None:
+def check_call_devices(q: torch.Tensor, named: dict) -> None:
     """check_devices(q.device, named): on the CPU, where every tensor's device is
     ``device("cpu")``, by ``is_cpu`` (no device object per tensor); anything else, or a tensor
     elsewhere, goes to check_devices, which raises its message."""
@@ -655,7 +655,7 @@ def plan_attention(
         check_unsupported(win_left, win_right, sinks=sinks)
     else:
         check_unsupported(win_left, win_right, sinks=sinks, block_table=block_table)
-    _check_call_devices(q, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
+    check_call_devices(q, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                             "v_descale": v_descale, "p_scale": p_scale, "cu_seqlens_q": cu_seqlens_q,
                             "cu_seqlens_kv": cu_seqlens_kv, "seqused_q": seqused_q, "seqused_kv": seqused_kv,
                             "attn_mask": attn_mask, "block_table": block_table})

@@ -257,8 +257,8 @@ def _plan_from_metadata(metadata, q, k, v, q_descale, k_descale, v_descale, quan
     tiling.check_against_metadata(metadata, layout=layouts.q, mask_mode=mask_mode, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_kv=cu_seqlens_kv, seqused_q=seqused_q, seqused_kv=seqused_kv,
                                   layout_kv=layouts.kv, layout_out=layouts.out, layout_q_descale=layouts.q_descale)
-    tiling.check_devices(q.device, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
-                                     "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
+    tiling.check_call_devices(q, {"k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
+                                  "v_descale": v_descale, "p_scale": p_scale, "attn_mask": attn_mask})
     plan = tiling.bind(metadata, q, k, v, softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse,
                        attn_mask=attn_mask, block_table=block_table)
     reads_free = tiling.host_reads_are_free(q.device)

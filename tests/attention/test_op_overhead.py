@@ -786,16 +786,16 @@ def test_checked_shapes_are_check_shapes_results_and_errors(monkeypatch):
 def test_the_device_check_on_cpu_is_check_devices():
     q = torch.zeros(3, 4, D, dtype=torch.float8_e4m3fn)
     param = torch.nn.Parameter(torch.ones(1), requires_grad=False)
-    tiling._check_call_devices(q, {"k": q, "p_scale": param, "block_table": None, "sinks": [1, 2]})
+    tiling.check_call_devices(q, {"k": q, "p_scale": param, "block_table": None, "sinks": [1, 2]})
     for named in ({"k": q.to("meta")}, {"k": q, "cu_seqlens_q": torch.zeros(2, dtype=torch.int32, device="meta")},
                   {"p_scale": torch.nn.Parameter(torch.ones(1, device="meta"), requires_grad=False)}):
         with pytest.raises(ValueError) as cold:
             checks.check_devices(q.device, named)
         with pytest.raises(ValueError) as fast:
-            tiling._check_call_devices(q, named)
+            tiling.check_call_devices(q, named)
         assert str(fast.value) == str(cold.value) and "must be on q's device cpu, got meta" in str(cold.value)
     with pytest.raises(ValueError, match="k must be on q's device meta, got cpu"):
-        tiling._check_call_devices(q.to("meta"), {"k": q})
+        tiling.check_call_devices(q.to("meta"), {"k": q})
 
 
 @pytest.mark.parametrize("mode", [1, 6])
