@@ -349,11 +349,11 @@ def write_tokens(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scal
     saturated count. All or nothing: a slot beyond the cache, or one two tokens name, raises a
     ValueError naming ``slots_name`` and leaves the cache as it was. On CPU one native pass (no
     codes tensor in between); elsewhere :func:`encode_tokens` and an indexed write, same bits."""
+    mean, scale = _check_tokens(x, mean, rotate, scale, None)
     if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 4 or \
-            not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(cache.shape[1::2]) != (x.shape[1], HEAD_DIM):
-        raise ValueError(f"cache must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's heads, got "
-                         f"{getattr(cache, 'dtype', type(cache).__name__)} {tuple(getattr(cache, 'shape', ()))} for x "
-                         f"{tuple(getattr(x, 'shape', ()))}")
+            tuple(cache.shape[1::2]) != (x.shape[1], HEAD_DIM):
+        raise ValueError(f"cache must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's {x.shape[1]} heads, "
+                         f"got {getattr(cache, 'dtype', type(cache).__name__)} {tuple(getattr(cache, 'shape', ()))}")
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
             tuple(slots.shape) != (x.shape[0],):
         raise ValueError(f"{slots_name} must be int32 / int64 of shape ({x.shape[0]},) (one slot per token), got "
@@ -361,7 +361,6 @@ def write_tokens(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scal
     capacity = cache.shape[0] * cache.shape[2]
     if native_rows(x) and (mean is None or mean.device.type == "cpu") and cache.device.type == "cpu" and \
             slots.device.type == "cpu":
-        mean, scale = _check_tokens(x, mean, rotate, scale, None)
         written = cpu_prepare.write_token_rows(_rows(x), cache, slots.contiguous(), float(scale), ROTATION_C,
                                                mean=None if mean is None else mean.contiguous(), rotate=rotate)
         if isinstance(written, cpu_prepare.SlotRefused):

@@ -150,6 +150,8 @@ def test_a_refused_write_leaves_every_byte(kind, native, monkeypatch):
     ({"cache": torch.zeros(4, HEADS, BLOCK, D)}, "cache must be uint8"),
     ({"scale": torch.tensor([0.0])}, "scale must be positive and finite, got 0.0"),
     ({"mean": torch.zeros(HEADS + 1, D)}, r"mean must be fp32 of shape \(heads, 128\)"),
+    ({"x": [1.0]}, "x must be a torch.Tensor, got list"),
+    ({"x": torch.zeros(3, D)}, r"x must be \(tokens, heads, 128\), got shape \(3, 128\)"),
 ])
 def test_bad_arguments_are_named_and_nothing_is_written(args, pattern):
     cache, k_view, _ = vllm_cache(4, seed=11)
@@ -157,7 +159,7 @@ def test_bad_arguments_are_named_and_nothing_is_written(args, pattern):
     call = {"x": tokens(3, seed=12), "cache": k_view, "slots": torch.tensor([0, 1, 2]), "scale": torch.tensor([1.0]),
             **args}
     mean = call.pop("mean", None)
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(TypeError if pattern.startswith("x must be a") else ValueError, match=pattern):
         prepare.write_tokens(call["x"], call["cache"], call["slots"], call["scale"], mean=mean)
     assert torch.equal(cache, before)
 
