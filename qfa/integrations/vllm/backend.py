@@ -284,8 +284,10 @@ class QfaHiF8Impl(AttentionImpl):
             seqused_kv=attn_metadata.seqused_kv, metadata=attn_metadata.plan, softmax_scale=self.scale,
             mask_mode=MaskMode.CAUSAL, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
         )
-        if not (state.transform.rotate and restore_output(o, out.dtype, into=out) is not None):
-            out.copy_(state.transform.rotated(o) if state.transform.rotate else o)
+        if not state.transform.rotate:
+            out.copy_(o)
+        elif restore_output(o, out.dtype, into=out) is None:  # no native pass here: the torch rotation
+            out.copy_(state.transform.rotated(o))
         if fixes_q_scale:  # kept once the call has succeeded
             self.q_scale = q_scale
         return output
