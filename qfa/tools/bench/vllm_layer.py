@@ -82,7 +82,7 @@ class Step:
         self.context_slots = torch.cat([self._slots(b, 0, c) for b, (c, _) in enumerate(shapes)])
         tokens, context = sum(news), sum(c for c, _ in shapes)
 
-        def rand(rows: int, heads: int, bias: float = 0.0) -> torch.Tensor:
+        def rand(rows: int, heads: int, bias: float | torch.Tensor = 0.0) -> torch.Tensor:
             return (torch.randn(rows, heads, HEAD_DIM, generator=g) + bias).to(torch.bfloat16)
 
         # keys with a per-channel offset, as real keys have (what K smoothing is for)
