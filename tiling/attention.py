@@ -372,6 +372,14 @@ def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax
         return meta._plans.setdefault(key, plan)
 
 
+def is_bound(plan: AttentionPlan, q, k, v, block_table=None) -> bool:
+    """Whether ``plan`` is the one :func:`bind` made of its metadata for tensors of q, k, v and
+    ``block_table``'s geometry (shapes, strides, dtype, device): a dictionary lookup, for
+    callers that run one checked plan on many tensors of that geometry."""
+    key = _geometry_key(q, k, v, plan.softmax_scale, plan.return_lse, block_table)
+    return plan.meta._plans.get(key) is plan
+
+
 def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bool, block_table=None) -> AttentionPlan:
     layout = meta.layout
     device = q.device

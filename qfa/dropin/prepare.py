@@ -250,27 +250,140 @@ def restore_output(out: torch.Tensor, dtype: torch.dtype, *, into: Optional[torc
     return cpu_prepare.rotate_rows(out.contiguous(), dtype, ROTATION_C, out=into)
 
 
-def _check_tokens(x, mean, rotate, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    check_bool(rotate, "rotate")
+def _check_token_rows(x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in cpu_prepare.DTYPE_CODES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() != 3 or x.shape[-1] != HEAD_DIM:
         raise ValueError(f"x must be (tokens, heads, {HEAD_DIM}), got shape {tuple(x.shape)}")
-    if mean is not None:
-        if not isinstance(mean, torch.Tensor):
-            raise TypeError(f"mean must be None or an fp32 tensor, got {type(mean).__name__}")
-        if mean.dtype != torch.float32 or tuple(mean.shape) != (x.shape[1], HEAD_DIM):
-            raise ValueError(f"mean must be fp32 of shape (heads, {HEAD_DIM}) = {(x.shape[1], HEAD_DIM)}, "
-                             f"got {mean.dtype} {tuple(mean.shape)}")
-        if mean.device != x.device:
-            raise ValueError(f"mean must be on x's device {x.device}, got {mean.device}")
+
+
+def _check_tokens(x, mean, rotate, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    check_bool(rotate, "rotate")
+    _check_token_rows(x)
+    _check_mean(mean, x.shape[1], x.device)
     if scale is not None:
         scale = cal.check_scale(scale, "scale", x.device)
     else:
         cal.get_rule(calibration)  # an unknown name or a non-callable fails here, named
     return mean, scale
+
+
+def _check_mean(mean, heads: Optional[int], device: Optional[torch.device]) -> None:
+    """``mean``: None, or fp32 (heads, 128) on ``device`` (either None: any)."""
+    if mean is None:
+        return
+    if not isinstance(mean, torch.Tensor):
+        raise TypeError(f"mean must be None or an fp32 tensor, got {type(mean).__name__}")
+    if mean.dtype != torch.float32 or mean.dim() != 2 or mean.shape[1] != HEAD_DIM or \
+            (heads is not None and mean.shape[0] != heads):
+        expected = f"(heads, {HEAD_DIM})" + ("" if heads is None else f" = {(heads, HEAD_DIM)}")
+        raise ValueError(f"mean must be fp32 of shape {expected}, got {mean.dtype} {tuple(mean.shape)}")
+    if device is not None and mean.device != device:
+        raise ValueError(f"mean must be on x's device {device}, got {mean.device}")
+
+
+class StaticEncoding:
+    """Tokens prepared with a frozen state, as :func:`encode_tokens` and :func:`write_tokens`
+    prepare them with a static ``scale``: the codes of ``H (x - mean) / scale``. The state is
+    checked once, here; each call checks only its tokens, cache and slots. A serving engine keeps
+    one per layer and tensor (its keys, its values, its queries), since a decode step calls each
+    for a handful of tokens and the state's checks cost more than the encoding.
+
+    Args:
+        scale: positive finite float or fp32 (1,) tensor.
+        mean: None, or fp32 (heads, 128): subtracted from every token before the rotation (K
+            smoothing with a frozen per-head key mean), in fp32. Its heads fix the tokens'.
+        rotate: apply the normalised Hadamard rotation (:func:`qfa.dropin.rotation.rotate`).
+    """
+
+    def __init__(self, scale: Union[float, torch.Tensor], *, mean: Optional[torch.Tensor] = None,
+                 rotate: bool = True) -> None:
+        check_bool(rotate, "rotate")
+        _check_mean(mean, None, None)
+        device = mean.device if mean is not None else None
+        self.scale = cal.check_scale(scale, "scale", device)
+        self.value = float(self.scale)  # the fp32 value, which the native passes divide by
+        self.mean = mean
+        self.rotate = rotate
+        # the native passes read the mean where it lies, contiguous
+        self._native_mean = None if mean is None or mean.device.type != "cpu" else mean.contiguous()
+
+    def _check(self, x) -> None:
+        _check_token_rows(x)
+        if self.mean is not None and (x.shape[1] != self.mean.shape[0] or x.device != self.mean.device):
+            raise ValueError(f"x must have the mean's {self.mean.shape[0]} heads on its device {self.mean.device}, "
+                             f"got {x.shape[1]} heads on {x.device}")
+
+    def _native(self, x: torch.Tensor) -> bool:
+        return native_rows(x) and (self.mean is None or self._native_mean is not None)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``(codes, saturated)``: uint8 codes of x's shape (contiguous) of the tokens ``x``
+        (tokens, heads, 128; float32, bfloat16 or float16, any strides, not modified), and how
+        many finite values of ``H (x - mean) / scale`` reached HiF8's overflow threshold
+        (stored as +-MAX). Bit for bit ``calibration.quantize(rotation.rotate(x.float() -
+        mean), scale)``: one native pass on CPU, those torch ops elsewhere."""
+        self._check(x)
+        if self._native(x):
+            return cpu_prepare.encode_token_rows(_rows(x), self.value, ROTATION_C, mean=self._native_mean,
+                                                 rotate=self.rotate)
+        if self.scale.device != x.device:
+            self.scale = self.scale.to(x.device)
+        y = x.float() if self.mean is None else x.float() - self.mean
+        y = rotation.rotate(y) if self.rotate else y
+        codes = cal.quantize(y, self.scale)
+        scaled = y / self.scale  # quantize's own division
+        saturated = ((scaled.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(scaled)).sum()
+        return codes.contiguous(), int(saturated)
+
+    def write(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, slots_name: str = "slots") -> int:
+        """:meth:`encode`'s codes of ``x`` written into a paged cache: ``cache`` is uint8
+        (blocks, heads, block_size, 128) (a PA_BNBD K or V view), and token t's rows go to block
+        ``slots[t] // block_size`` at offset ``slots[t] % block_size``; a negative slot skips
+        its token (a serving engine's padding). Returns the saturated count. All or nothing: a
+        slot beyond the cache, or one two tokens name, raises a ValueError naming
+        ``slots_name`` and leaves the cache as it was. On CPU one native pass (no codes tensor in
+        between); elsewhere :meth:`encode` and an indexed write, same bits."""
+        self._check(x)
+        if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 4 or \
+                tuple(cache.shape[1::2]) != (x.shape[1], HEAD_DIM):
+            raise ValueError(f"cache must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's {x.shape[1]} "
+                             f"heads, got {getattr(cache, 'dtype', type(cache).__name__)} "
+                             f"{tuple(getattr(cache, 'shape', ()))}")
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
+                tuple(slots.shape) != (x.shape[0],):
+            raise ValueError(f"{slots_name} must be int32 / int64 of shape ({x.shape[0]},) (one slot per token), got "
+                             f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+        capacity = cache.shape[0] * cache.shape[2]
+        if self._native(x) and cache.device.type == "cpu" and slots.device.type == "cpu":
+            written = cpu_prepare.write_token_rows(_rows(x), cache, slots.contiguous(), self.value, ROTATION_C,
+                                                   mean=self._native_mean, rotate=self.rotate)
+            if isinstance(written, cpu_prepare.SlotRefused):
+                raise _slot_error(written, slots, capacity, slots_name)
+            return written
+        real = slots >= 0
+        named = slots[real].long()
+        if named.numel() and int(named.max()) >= capacity:
+            token = int(((slots >= capacity) & real).nonzero()[0, 0])
+            raise _slot_error(cpu_prepare.SlotRefused(token, False), slots, capacity, slots_name)
+        if named.unique().numel() != named.numel():
+            order = slots.tolist()
+            token = next(t for t, s in enumerate(order) if s >= 0 and s in order[:t])
+            raise _slot_error(cpu_prepare.SlotRefused(token, True), slots, capacity, slots_name)
+        codes, saturated = self.encode(x if bool(real.all()) else x[real])
+        block_size = cache.shape[2]
+        cache[named // block_size, :, named % block_size] = codes.to(cache.device)
+        return saturated
+
+
+def _static(mean, rotate, scale) -> StaticEncoding:
+    """The StaticEncoding of arguments :func:`_check_tokens` has checked (no second check)."""
+    encoding = StaticEncoding.__new__(StaticEncoding)
+    encoding.scale, encoding.value, encoding.mean, encoding.rotate = scale, float(scale), mean, rotate
+    encoding._native_mean = None if mean is None or mean.device.type != "cpu" else mean.contiguous()
+    return encoding
 
 
 def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotate: bool = True,
@@ -308,24 +421,22 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
     elsewhere, and for other rules, the same functions in torch ops.
     """
     mean, scale = _check_tokens(x, mean, rotate, scale, calibration)
-    if scale is not None and native_rows(x) and (mean is None or mean.device.type == "cpu"):  # pass 2 alone
-        codes, saturated = cpu_prepare.encode_token_rows(_rows(x), float(scale), ROTATION_C,
-                                                         mean=None if mean is None else mean.contiguous(), rotate=rotate)
+    if scale is not None:
+        codes, saturated = _static(mean, rotate, scale).encode(x)
         return codes, scale, torch.tensor(saturated, dtype=torch.int64)
-    reduction = fused_reduction(calibration) if scale is None else None
-    if native_rows(x) and (mean is None or mean.device.type == "cpu") and (scale is not None or reduction is not None):
+    reduction = fused_reduction(calibration)
+    if native_rows(x) and (mean is None or mean.device.type == "cpu") and reduction is not None:
         segs = [0, 0, x.shape[0], x.shape[0]]
         mu = None if mean is None else mean.reshape(1, *mean.shape).contiguous()
-        done = encode_rows(x, "TND", segs, rotate=rotate, scale=scale, reduction=reduction, smooth=mu is not None,
+        done = encode_rows(x, "TND", segs, rotate=rotate, scale=None, reduction=reduction, smooth=mu is not None,
                            mean=mu, name="x")
         if done is not None:
             codes, scale, _, saturated = done
             return codes, scale, torch.tensor(saturated, dtype=torch.int64)
     y = x.float() if mean is None else x.float() - mean
     y = rotation.rotate(y) if rotate else y
-    if scale is None:
-        cal.check_finite(y, "x")
-        scale = cal.compute_scale(y, calibration)
+    cal.check_finite(y, "x")
+    scale = cal.compute_scale(y, calibration)
     codes = cal.quantize(y, scale)
     scaled = y / scale  # quantize's own division
     saturated = ((scaled.abs() >= fmt.OVERFLOW_THRESHOLD) & torch.isfinite(scaled)).sum()
@@ -343,39 +454,7 @@ def _slot_error(refused: cpu_prepare.SlotRefused, slots: torch.Tensor, capacity:
 def write_tokens(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor, *,
                  mean: Optional[torch.Tensor] = None, rotate: bool = True, slots_name: str = "slots") -> int:
     """:func:`encode_tokens`' codes of ``x`` (tokens, heads, 128) with a static ``scale`` written
-    into a paged cache: ``cache`` is uint8 (blocks, heads, block_size, 128) (a PA_BNBD K or V
-    view), and token t's rows go to block ``slots[t] // block_size`` at offset ``slots[t] %
-    block_size``; a negative slot skips its token (a serving engine's padding). Returns the
-    saturated count. All or nothing: a slot beyond the cache, or one two tokens name, raises a
-    ValueError naming ``slots_name`` and leaves the cache as it was. On CPU one native pass (no
-    codes tensor in between); elsewhere :func:`encode_tokens` and an indexed write, same bits."""
+    into a paged cache (:meth:`StaticEncoding.write`, which says how; an engine writing many
+    calls with one state keeps the :class:`StaticEncoding`)."""
     mean, scale = _check_tokens(x, mean, rotate, scale, None)
-    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 4 or \
-            tuple(cache.shape[1::2]) != (x.shape[1], HEAD_DIM):
-        raise ValueError(f"cache must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's {x.shape[1]} heads, "
-                         f"got {getattr(cache, 'dtype', type(cache).__name__)} {tuple(getattr(cache, 'shape', ()))}")
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
-            tuple(slots.shape) != (x.shape[0],):
-        raise ValueError(f"{slots_name} must be int32 / int64 of shape ({x.shape[0]},) (one slot per token), got "
-                         f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
-    capacity = cache.shape[0] * cache.shape[2]
-    if native_rows(x) and (mean is None or mean.device.type == "cpu") and cache.device.type == "cpu" and \
-            slots.device.type == "cpu":
-        written = cpu_prepare.write_token_rows(_rows(x), cache, slots.contiguous(), float(scale), ROTATION_C,
-                                               mean=None if mean is None else mean.contiguous(), rotate=rotate)
-        if isinstance(written, cpu_prepare.SlotRefused):
-            raise _slot_error(written, slots, capacity, slots_name)
-        return written
-    real = slots >= 0
-    named = slots[real].long()
-    if named.numel() and int(named.max()) >= capacity:
-        token = int(((slots >= capacity) & real).nonzero()[0, 0])
-        raise _slot_error(cpu_prepare.SlotRefused(token, False), slots, capacity, slots_name)
-    if named.unique().numel() != named.numel():
-        order = slots.tolist()
-        token = next(t for t, s in enumerate(order) if s >= 0 and s in order[:t])
-        raise _slot_error(cpu_prepare.SlotRefused(token, True), slots, capacity, slots_name)
-    codes, _, saturated = encode_tokens(x if bool(real.all()) else x[real], mean=mean, rotate=rotate, scale=scale)
-    block_size = cache.shape[2]
-    cache[named // block_size, :, named % block_size] = codes
-    return int(saturated)
+    return _static(mean, rotate, scale).write(x, cache, slots, slots_name)

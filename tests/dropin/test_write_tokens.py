@@ -6,6 +6,8 @@
   saturated count, for every dtype, with and without K means and rotation, int32 and int64
   slots, padding, strided tokens and a cache view whose blocks are strided (vLLM's K half).
 * ``encode_token_rows`` (``encode_tokens`` with a static scale) at every SIMD level.
+* A kept ``StaticEncoding`` (an engine's per-layer state) gives every call's ``write_tokens`` /
+  ``encode_tokens`` bits, and checks its state once, naming what it refuses.
 * The same bits for one thread and two, and for every team of the passes.
 * All or nothing: a slot beyond the cache, a slot named twice, or a bad argument raises a
   ValueError naming it, on both paths, and the cache keeps every byte. A state machine writes
@@ -185,6 +187,51 @@ def test_restore_output_into_a_buffer_is_the_returned_tensor(dtype):
     assert prepare.restore_output(out, dtype, into=other) is None and not other.any()
     strided = torch.zeros(9, 8, D, dtype=dtype)[:, ::2]
     assert prepare.restore_output(out, dtype, into=strided) is None and not strided.any()
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_a_kept_static_encoding_is_write_tokens_and_encode_tokens_call_after_call(native, monkeypatch):
+    """What an engine keeps per layer: one StaticEncoding, checked once, called for batches of
+    every dtype and size, gives each call's write_tokens / encode_tokens bits."""
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
+    mean, scale = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(20)), torch.tensor([2.0 ** -6])
+    encoding = prepare.StaticEncoding(scale, mean=mean)
+    assert encoding.value == 2.0 ** -6 and torch.equal(encoding.scale, scale)
+    for seed, dtype, n in ((21, torch.float32, 1), (22, torch.bfloat16, 7), (23, torch.float16, 33)):
+        x, slots = tokens(n, seed=seed, dtype=dtype, scale=300.0), slots_for(n, 6, seed=seed, padding=n // 5)
+        cache, k_view, _ = vllm_cache(6, seed=seed)
+        want, want_view, _ = vllm_cache(6, seed=seed)
+        saturated = encoding.write(x, k_view, slots)
+        assert saturated == prepare.write_tokens(x, want_view, slots, scale, mean=mean) and torch.equal(cache, want)
+        codes, counted = encoding.encode(x)
+        want_codes, _, want_counted = prepare.encode_tokens(x, mean=mean, scale=scale)
+        assert torch.equal(codes, want_codes) and counted == int(want_counted) > 0
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"scale": 0.0}, ValueError, "scale must be positive and finite, got 0.0"),
+    ({"scale": torch.tensor([1.0, 2.0])}, ValueError, r"scale must hold one value \(shape \(1,\)\)"),
+    ({"scale": "1"}, TypeError, "scale must be a float or an fp32 tensor of shape"),
+    ({"mean": torch.zeros(HEADS, 64)}, ValueError, r"mean must be fp32 of shape \(heads, 128\)"),
+    ({"mean": torch.zeros(HEADS, D, dtype=torch.float64)}, ValueError, "mean must be fp32"),
+    ({"mean": [0.0]}, TypeError, "mean must be None or an fp32 tensor, got list"),
+    ({"rotate": 1}, TypeError, "rotate must be a bool, got int 1"),
+])
+def test_a_static_encoding_checks_its_state_once_naming_it(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        prepare.StaticEncoding(kwargs.pop("scale", 1.0), **kwargs)
+
+
+def test_a_static_encoding_refuses_tokens_its_mean_does_not_fit():
+    encoding = prepare.StaticEncoding(1.0, mean=torch.zeros(HEADS, D))
+    cache, k_view, _ = vllm_cache(2, seed=24)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="x must have the mean's 2 heads"):
+        encoding.write(tokens(3, seed=25, heads=HEADS + 1), torch.zeros(2, HEADS + 1, BLOCK, D, dtype=torch.uint8),
+                       torch.tensor([0, 1, 2]))
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got torch.float64"):
+        encoding.write(tokens(3, seed=25).double(), k_view, torch.tensor([0, 1, 2]))
+    assert torch.equal(cache, before)
 
 
 class SlotWrites(RuleBasedStateMachine):

@@ -23,6 +23,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # 
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 
+from qfa.attention.backends import cpu_kernel  # noqa: E402
 from qfa.dropin import calibration as cal  # noqa: E402
 from qfa.dropin import rotation  # noqa: E402
 from qfa.attention.op import quant_flash_attn  # noqa: E402
@@ -157,6 +158,73 @@ def test_forward_is_the_contiguous_op_on_the_same_codes_bit_for_bit(dtype):
                             mask_mode=MaskMode.CAUSAL, softmax_scale=SCALE)
     expected = rotation.rotate(o).to(dtype)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotated", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_steps_later_layers_run_the_checked_plan_with_the_ops_bits(dtype, rotate, monkeypatch):
+    """Two layers, one step: the first forward calls the op (every check) and keeps its plan;
+    each later one runs the native kernel on that plan (``cpu_kernel.run_bound``), and its
+    output is, bit for bit, what the op gives the same layer in a step of its own."""
+    if not cpu_kernel.available():
+        pytest.skip("the native CPU kernel is not built here")
+    batch = Batch(MIXED)
+    config = vllm_config(rotate=rotate)
+    impls = [make_impl(config) for _ in range(2)]
+    caches = [torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8) for _ in impls]
+    steps = [run_layer_tokens(impl, cache, batch, dtype, seed=11 * (i + 1)) for i, (impl, cache) in
+             enumerate(zip(impls, caches))]
+    alone = [forward_step(impl, cache, batch, q, dtype, config) for impl, cache, q in zip(impls, caches, steps)]
+    bound_runs = []
+    real = cpu_kernel.run_bound
+    monkeypatch.setattr(cpu_kernel, "run_bound", lambda *a, **kw: bound_runs.append(1) or real(*a, **kw))
+    metadata = qb.make_metadata(batch.common(), NQ, NKV)
+    together = [forward_step(impl, cache, batch, q, dtype, config, metadata)
+                for impl, cache, q in [*zip(impls, caches, steps), (impls[0], caches[0], steps[0])]]
+    assert len(bound_runs) == 2 and len(metadata.bound) == 1
+    for got, want in zip(together, [*alone, alone[0]]):
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+def run_layer_tokens(impl, cache, batch: Batch, dtype, seed: int) -> torch.Tensor:
+    """Writes a layer's context and step tokens; returns its step's queries."""
+    total = sum(c + n for c, n in batch.shapes)
+    k, v = random_tokens(total, NKV, dtype, seed), random_tokens(total, NKV, dtype, seed + 1)
+    slots = torch.cat([batch.slots(b, 0, c + n) for b, (c, n) in enumerate(batch.shapes)])
+    config = vllm_config()
+    with set_current_vllm_config(config), set_forward_context(qb.make_metadata(batch.common(), NQ, NKV), config):
+        impl.do_kv_cache_update(Layer(), k, v, cache, slots)
+    return random_tokens(sum(n for _, n in batch.shapes), NQ, dtype, seed + 2)
+
+
+def forward_step(impl, cache, batch: Batch, q, dtype, config, metadata=None) -> torch.Tensor:
+    """The layer's forward on ``metadata`` (a step of its own when None)."""
+    metadata = metadata or qb.make_metadata(batch.common(), NQ, NKV)
+    out = torch.full((q.shape[0], NQ * D), float("nan"), dtype=dtype)
+    with set_current_vllm_config(config), set_forward_context(metadata, config):
+        impl.forward(Layer(), q.reshape(-1, NQ * D), None, None, cache, metadata, out)
+    return out
+
+
+def test_a_block_table_changed_after_the_first_layer_is_checked_again():
+    """The kept plan is the table's as it was checked: a table written since (here with a block
+    beyond the cache) sends the next layer to the op, which refuses it, naming it, with the
+    output untouched."""
+    if not cpu_kernel.available():
+        pytest.skip("the native CPU kernel is not built here")
+    batch = Batch(MIXED)
+    config = vllm_config()
+    impl = make_impl(config)
+    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
+    q = run_layer_tokens(impl, cache, batch, torch.float32, seed=3)
+    metadata = qb.make_metadata(batch.common(), NQ, NKV)
+    forward_step(impl, cache, batch, q, torch.float32, config, metadata)
+    metadata.block_table[0, 0] = batch.num_blocks + 5
+    out = torch.full((q.shape[0], NQ * D), 7.0)
+    with set_current_vllm_config(config), set_forward_context(metadata, config), \
+            pytest.raises(ValueError, match=r"block_table\[0, 0\] must be a block index"):
+        impl.forward(Layer(), q.reshape(-1, NQ * D), None, None, cache, metadata, out)
+    assert bool((out == 7.0).all())
 
 
 def _relative_rounding_bound(p: np.ndarray) -> np.ndarray:

@@ -1,9 +1,10 @@
 """The vLLM backend as a stateful system: random sequences growing in a paged cache, written
-through ``do_kv_cache_update`` (valid calls and rejected ones), attended through ``forward``, and
-freed, against a model that only remembers each sequence's float tokens. After every step every
-stored token's codes are what the layer's frozen state makes of it, and a rejected call has left
-the cache and the state as they were; attention equals the contiguous op on the model's codes,
-bit for bit. CI runs the derandomised profile, ``QFA_HYPOTHESIS_PROFILE=long`` the long one."""
+through ``do_kv_cache_update`` (valid calls and rejected ones), attended through ``forward``
+(twice per step: the second call runs the plan the first one checked), and freed, against a
+model that only remembers each sequence's float tokens. After every step every stored token's
+codes are what the layer's frozen state makes of it, and a rejected call has left the cache and
+the state as they were; attention equals the contiguous op on the model's codes, bit for bit. CI
+runs the derandomised profile, ``QFA_HYPOTHESIS_PROFILE=long`` the long one."""
 
 from __future__ import annotations
 
@@ -135,6 +136,12 @@ class BackendMachine(RuleBasedStateMachine):
         a, b = self.context(metadata)
         with a, b:
             self.impl.forward(Layer(), q.reshape(-1, NQ * D), None, None, self.cache, metadata, out)
+        # the step's next layer (here the same one again) runs the plan the first call checked
+        again = torch.full_like(out, float("nan"))
+        a, b = self.context(metadata)
+        with a, b:
+            self.impl.forward(Layer(), q.reshape(-1, NQ * D), None, None, self.cache, metadata, again)
+        assert torch.equal(again, out), "a step's later layer gave other bits than its first"
         state = self.impl.state
         k = torch.cat([self.seqs[i]["k"] for i in ids])
         v = torch.cat([self.seqs[i]["v"] for i in ids])

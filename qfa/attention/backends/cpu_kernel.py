@@ -94,7 +94,7 @@ from qfa import csrc
 from qfa.cast import luts
 from qfa.cast import mxfp8
 from qfa.cast import rounding
-from qfa.tiling.attention import AttentionPlan, lse_shape, normalised_strides
+from qfa.tiling.attention import AttentionPlan, is_bound, lse_shape, normalised_strides
 from qfa.tiling.spec import HEAD_DIM, QuantMode
 
 ENV_VAR = "QFA_NATIVE"
@@ -439,6 +439,7 @@ def _table_of(plan: AttentionPlan, block_table: torch.Tensor | None) -> torch.Te
 
 _NO_TABLE = torch.empty(0, 0, dtype=torch.int32)
 _NO_SCALE = torch.empty(0)
+_NO_LSE = torch.empty(0, dtype=torch.float32)
 
 
 def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
@@ -460,15 +461,63 @@ def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale,
     # The scalars the torch path forms with fp32 tensor ops, bit for bit (see dscale_of).
     dscale = dscale_of(q_descale.item(), k_descale.item(), plan.softmax_scale)
     ln_p = torch.log(p_scale).item() if p_scale is not None else 0.0
+    _launch(plan, q, k, v, out, out_strides, lse, lse_strides, dscale, ln_p, v_descale.item(), table, bf16, fill,
+            rotate_c, split_rows, chunk_blocks, tile_rows)
+
+
+def _launch(plan: AttentionPlan, q, k, v, out, out_strides, lse, lse_strides, dscale: float, ln_p: float,
+            v_descale: float, table: torch.Tensor, bf16: bool, fill: bool, rotate_c: float,
+            split_rows: int = SPLIT_ROWS, chunk_blocks: int = CHUNK_BLOCKS, tile_rows: int = TILE_ROWS) -> None:
+    """The HiF8 mode's native call, every argument checked and every scalar formed."""
     # Sequences of ints go over as the std::vector<int64_t> arguments (tuples as well as lists).
     _module.forward(
         q, k, v, (*plan.strides_q, *plan.strides_kv, *plan.strides_v), out, out_strides, lse, lse_strides,
         plan.heads_kv, plan.group, plan.head_dim, plan.block_n, plan.q_starts, plan.kv_starts,
-        plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale.item(), _decode_table(),
+        plan.q_lens, plan.kv_lens, bool(plan.causal), dscale, ln_p, v_descale, _decode_table(),
         _ROUND_CONSTS, tile_rows, split_rows, chunk_blocks, PREDECODE_BYTES, SCORE_STORE_BYTES, table,
         plan.block_size, bool(bf16), fill, 0, _NO_SCALE, _NO_SCALE, [], _NO_SCALE, [], _NO_SCALE, [], [], _NO_SCALE,
         rotate_c, MIN_BF16_E8M0,
     )
+
+
+def run_bound(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *,
+              dscale: float, v_descale: float, block_table: torch.Tensor | None = None,
+              rotate_c: float = 0.0) -> None:
+    """The HiF8 mode's kernel on tensors a checked plan was bound for, with its scalars given:
+    what :func:`forward` runs after its per-call work, for an engine that runs one plan on many
+    layers' tensors (a vLLM step: one batch and block table, each layer its cache and scales).
+
+    Checked here: ``plan`` is the one ``tiling.bind`` made for q, k, v and ``block_table``'s
+    geometry (so an op call with that plan checked these shapes and strides), the scalars are
+    positive and finite, and ``out``. The caller vouches for what only values say: the block
+    table's entries were checked against the plan (``tiling.check_block_table_values``) since
+    they last changed, and ``dscale`` is :func:`dscale_of` of the q and k descales and the
+    plan's softmax scale (``v_descale`` v's descale as an fp32 value).
+
+    ``out``: contiguous, q's shape, on the CPU; bf16 (the op's out), or with ``rotate_c`` (the
+    rotation's normalisation) fp32 / bf16 / fp16 holding :class:`RotatedOutput`'s rows. Every
+    row of ``out`` is written (rows no sequence owns as 0); no LSE."""
+    if not available():
+        raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.backends.cpu_kernel.available)")
+    if plan.meta.quant_mode != QuantMode.HIF8_PER_TENSOR or plan.return_lse:
+        raise ValueError("run_bound runs HiF8 (quant_mode 0) plans without LSE")
+    if any(t.dtype != torch.uint8 or not t.is_cpu for t in (q, k, v)):
+        raise ValueError(f"q, k and v must be uint8 HiF8 codes on the CPU, got {q.dtype} / {k.dtype} / {v.dtype} on "
+                         f"{q.device} / {k.device} / {v.device}")
+    if not is_bound(plan, q, k, v, block_table):
+        raise ValueError("q, k, v and block_table must have the geometry the plan was bound for (an op call with "
+                         "this metadata on tensors like them binds it)")
+    dtypes = ROTATED_DTYPES if rotate_c else (torch.bfloat16,)
+    if out.dtype not in dtypes or out.shape != q.shape or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"out must be a contiguous CPU tensor of q's shape {tuple(q.shape)} in "
+                         f"{' / '.join(str(d) for d in dtypes)}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if rotate_c and plan.head_dim != ROTATION_DIM:
+        raise ValueError(f"the rotated output needs head dim {ROTATION_DIM}, got {plan.head_dim}")
+    for name, value in (("dscale", dscale), ("v_descale", v_descale)):
+        if not 0 < value < math.inf:
+            raise ValueError(f"{name} must be positive and finite, got {value}")
+    _launch(plan, q, k, v, out, plan.out_strides, _NO_LSE, (0, 0, 0), dscale, 0.0, v_descale,
+            _table_of(plan, block_table), bf16_dot(), True, rotate_c)
 
 
 # ---- quant_modes 1 (MXFP8) and 6 (FP8 per-token-head) -------------------------------------------

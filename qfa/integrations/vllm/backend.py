@@ -21,14 +21,18 @@ with HiF8 codes:
   dtype (fp32, bf16 or fp16).
 
 The op is planned once per step by the metadata builder, and every layer of the step reuses the
-plan. ``attn_metadata`` is None in vLLM's profiling run: the backend then writes nothing and
-fixes no state.
+plan. The step's first layer calls the op itself, which checks every argument; each later layer
+whose cache is laid out alike runs the native kernel on the plan that call bound
+(:func:`qfa.attention.backends.cpu_kernel.run_bound`, the same bits), with only its own tensors
+checked, and the kernel writes the rotated-back output straight into vLLM's buffer: a decode
+step's layer costs less host time than its attention. ``attn_metadata`` is None in vLLM's
+profiling run: the backend then writes nothing and fixes no state.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
@@ -44,9 +48,11 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from qfa.tiling.attention import bind
+from qfa.attention.backends import cpu_kernel
 from qfa.dropin import calibration as cal
 from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
-from qfa.dropin.prepare import restore_output
+from qfa.dropin.prepare import ROTATION_C, StaticEncoding, restore_output
 from qfa.integrations.vllm import calibration_file
 from qfa.integrations.vllm import options as opts
 from qfa.integrations.vllm.layer_state import LayerState, measured_scale
@@ -108,6 +114,21 @@ class QfaMetadata:
     block_table: torch.Tensor  # int32 (B, max blocks)
     slot_mapping: torch.Tensor
     plan: object
+    #: the plans an op call of this step has checked, by what they depend on beyond the step
+    #: (query count, cache layout, softmax scale), with the block table's version then
+    bound: dict = field(default_factory=dict, repr=False)
+
+    def bound_plan(self, codes: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float):
+        """The plan an op call of this step checked for a layer like this one, or None."""
+        entry = self.bound.get((codes.shape, k_cache.shape, k_cache.stride(), softmax_scale))
+        return entry[0] if entry is not None and entry[1] == self.block_table._version else None
+
+    def keep_plan(self, codes: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  softmax_scale: float) -> None:
+        """Keeps the plan the op call just made on these tensors checked (from the op's own cache)."""
+        plan = bind(self.plan, codes, k_cache, v_cache, softmax_scale=softmax_scale,
+                           block_table=self.block_table)
+        self.bound[(codes.shape, k_cache.shape, k_cache.stride(), softmax_scale)] = (plan, self.block_table._version)
 
 
 class QfaMetadataBuilder(AttentionMetadataBuilder[QfaMetadata]):
@@ -198,6 +219,8 @@ class QfaHiF8Impl(AttentionImpl):
         self.q_scale: Optional[torch.Tensor] = None
         self._calibration = calibration_file.load_optional(self.options.calibration_file)
         self._warned_saturation = 0
+        self._queries: tuple = (None, None, None)  # (the query scale, rotate, its StaticEncoding)
+        self._views: tuple = (None, None, None)  # (the cache tensor, its storage and layout, its views)
 
     # ------------------------------------------------------------------ the layer's state
 
@@ -240,7 +263,7 @@ class QfaHiF8Impl(AttentionImpl):
                 raise ValueError(f"{name} must be (>= {tokens} tokens, {expected[0]} kv heads, {expected[1]}) for "
                                  f"slot_mapping's {tokens} slots, got {tuple(t.shape)}")
         key, value = key[:tokens], value[:tokens]
-        k_cache, v_cache = cache_views(kv_cache)
+        k_cache, v_cache = self._cache_views(kv_cache)
         # everything is checked before anything is kept: a call that fails leaves the cache and
         # the layer's state as they were
         state = self.state
@@ -277,20 +300,58 @@ class QfaHiF8Impl(AttentionImpl):
         fixes_q_scale = q_scale is None and self.options.q_scale == "static"
         if q_scale is None or self.options.q_scale == "call":
             q_scale = measured_scale(state.prepare_queries(q), self.rule, "query", _tp_group())
-        k_cache, v_cache = cache_views(kv_cache)
-        o, _ = quant_flash_attn(
-            state.encode_queries(q, q_scale), k_cache, v_cache, q_scale, state.k_scale, state.v_scale,
-            QuantMode.HIF8_PER_TENSOR, block_table=attn_metadata.block_table, cu_seqlens_q=attn_metadata.cu_seqlens_q,
-            seqused_kv=attn_metadata.seqused_kv, metadata=attn_metadata.plan, softmax_scale=self.scale,
-            mask_mode=MaskMode.CAUSAL, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
-        )
-        if not state.transform.rotate:
-            out.copy_(o)
-        elif restore_output(o, out.dtype, into=out) is None:  # no native pass here: the torch rotation
-            out.copy_(state.transform.rotated(o))
+        queries = self._query_encoding(state, q_scale)
+        codes = queries.encode(q)[0]
+        k_cache, v_cache = self._cache_views(kv_cache)
+        plan = attn_metadata.bound_plan(codes, k_cache, self.scale) if cpu_kernel.available() else None
+        if plan is not None:
+            self._run_bound(plan, attn_metadata, codes, k_cache, v_cache, queries, state, out)
+        else:
+            o, _ = quant_flash_attn(
+                codes, k_cache, v_cache, queries.scale, state.k_scale, state.v_scale, QuantMode.HIF8_PER_TENSOR,
+                block_table=attn_metadata.block_table, cu_seqlens_q=attn_metadata.cu_seqlens_q,
+                seqused_kv=attn_metadata.seqused_kv, metadata=attn_metadata.plan, softmax_scale=self.scale,
+                mask_mode=MaskMode.CAUSAL, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
+            )
+            if not state.transform.rotate:
+                out.copy_(o)
+            elif restore_output(o, out.dtype, into=out) is None:  # no native pass here: the torch rotation
+                out.copy_(state.transform.rotated(o))
+            if cpu_kernel.available():  # the op ran the native kernel: later layers run its plan
+                attn_metadata.keep_plan(codes, k_cache, v_cache, self.scale)
         if fixes_q_scale:  # kept once the call has succeeded
             self.q_scale = q_scale
         return output
+
+    def _run_bound(self, plan, metadata: QfaMetadata, codes: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, queries: StaticEncoding, state: LayerState, out: torch.Tensor) -> None:
+        """The op's numbers on a plan an op call of this step checked: the kernel writes the
+        rotated-back rows into ``out`` in its dtype (or bf16 rows, copied, without the rotation)."""
+        dscale = cpu_kernel.dscale_of(queries.value, state.keys.value, plan.softmax_scale)
+        rotate = state.transform.rotate
+        target = out if rotate or out.dtype == torch.bfloat16 else torch.empty_like(out, dtype=torch.bfloat16)
+        cpu_kernel.run_bound(plan, codes, k_cache, v_cache, target, dscale=dscale, v_descale=state.values.value,
+                             block_table=metadata.block_table, rotate_c=ROTATION_C if rotate else 0.0)
+        if target is not out:
+            out.copy_(target)
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`cache_views` of the layer's cache, kept while it is the same tensor, storage
+        and layout (vLLM passes the same one every step)."""
+        kept = self._views
+        if kept[0] is kv_cache and kept[1] == (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride()):
+            return kept[2]
+        views = cache_views(kv_cache)
+        self._views = (kv_cache, (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride()), views)
+        return views
+
+    def _query_encoding(self, state: LayerState, q_scale: torch.Tensor) -> StaticEncoding:
+        """The queries' encoding with ``q_scale``, kept while the scale is the layer's."""
+        scale, rotate, encoding = self._queries
+        if scale is not q_scale or rotate != state.transform.rotate:
+            encoding = state.query_encoding(q_scale)
+            self._queries = (q_scale, state.transform.rotate, encoding)
+        return encoding
 
     def _kv_state(self) -> Optional[LayerState]:
         """The state of the codes this layer reads: its own, or, for a layer that shares an

@@ -21,7 +21,7 @@ import torch
 
 from qfa.dropin import calibration as cal
 from qfa.dropin import rotation
-from qfa.dropin.prepare import encode_tokens, write_tokens
+from qfa.dropin.prepare import StaticEncoding
 
 
 @dataclass(frozen=True)
@@ -89,25 +89,30 @@ class LayerState:
         return cls(measured_scale(k_prepared, rule, "key", process_group),
                    measured_scale(v_prepared, rule, "value", process_group), mean, transform)
 
+    def __post_init__(self) -> None:
+        # checked once, here: each write and encode then checks only its tokens
+        self.keys = StaticEncoding(self.k_scale, mean=self.k_mean, rotate=self.transform.rotate)
+        self.values = StaticEncoding(self.v_scale, rotate=self.transform.rotate)
+        self.k_scale, self.v_scale = self.keys.scale, self.values.scale
+
     def prepare_queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries (T, Nq, 128) as the op scores them against this layer's keys: rotated, fp32."""
         return self.transform.rotated(q)
 
-    def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``(codes, saturated)`` of keys (T, Nkv, 128): smoothed, rotated, scaled, saturating
-        (:func:`qfa.dropin.prepare.encode_tokens`: two native passes on CPU, the bits of
+        (:class:`qfa.dropin.prepare.StaticEncoding`: one native pass on CPU, the bits of
         ``quantize(rotate(k.float() - mean), k_scale)``)."""
-        codes, _, saturated = encode_tokens(k, mean=self.k_mean, rotate=self.transform.rotate, scale=self.k_scale)
-        return codes, saturated
+        return self.keys.encode(k)
 
-    def encode_values(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_values(self, v: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``(codes, saturated)`` of values (T, Nkv, 128): rotated, scaled, saturating."""
-        codes, _, saturated = encode_tokens(v, rotate=self.transform.rotate, scale=self.v_scale)
-        return codes, saturated
+        return self.values.encode(v)
 
-    def encode_queries(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Codes of queries (T, Nq, 128): rotated, scaled by ``scale``, saturating."""
-        return encode_tokens(q, rotate=self.transform.rotate, scale=scale)[0]
+    def query_encoding(self, scale: torch.Tensor) -> StaticEncoding:
+        """How queries (T, Nq, 128) are encoded with the query scale ``scale``: rotated as this
+        layer's keys, scaled, saturating."""
+        return StaticEncoding(scale, rotate=self.transform.rotate)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor) -> int:
@@ -116,11 +121,9 @@ class LayerState:
         block_size, 128) at ``slots`` (vLLM's ``slot_mapping``: negative slots are padding and
         skipped); returns how many values saturated. All or nothing: a slot beyond the cache or
         named twice raises a ValueError naming ``slot_mapping``, with nothing written."""
-        if tuple(v.shape) != tuple(k.shape) or tuple(v_cache.shape) != tuple(k_cache.shape):
+        if v.shape != k.shape or v_cache.shape != k_cache.shape:
             raise ValueError(f"value must be shaped as key {tuple(k.shape)} and v_cache as k_cache "
                              f"{tuple(k_cache.shape)}, got {tuple(v.shape)} and {tuple(v_cache.shape)}")
-        rotate = self.transform.rotate
-        saturated = write_tokens(k, k_cache, slots, self.k_scale, mean=self.k_mean, rotate=rotate,
-                                 slots_name="slot_mapping")
+        saturated = self.keys.write(k, k_cache, slots, "slot_mapping")
         # the same slots and cache geometry: what K's write accepted, V's accepts
-        return saturated + write_tokens(v, v_cache, slots, self.v_scale, rotate=rotate, slots_name="slot_mapping")
+        return saturated + self.values.write(v, v_cache, slots, "slot_mapping")
