@@ -977,6 +977,56 @@ static int64_t bad_slot(const void* slots, bool i32, int64_t n, int64_t capacity
   return first;
 }
 
+// One tensor of token rows for encode_tokens: x (tokens, heads, 128; element strides st, sh; last
+// stride 1) in dtype dt, its mean mu (fp32 (heads, 128) or null), the divisor of its scale, and
+// where its codes go (out; see qfa_encode_tokens).
+struct TokenRows {
+  const char* x;
+  int64_t st, sh;
+  const float* mu;
+  Divisor dv;
+  uint8_t* out;
+};
+
+// The tensors' codes, token by token in chunks, into out + b * s_block + h * s_head + o * s_slot
+// (b, o: the token's slot's block and offset with slots, else 0 and t); slots checked already.
+static void encode_token_tensors(const TokenRows* rows, int n_tensors, int dt, int64_t tokens, int64_t heads,
+                                 bool rotate, float c, const void* slots, bool slots_i32, int64_t block_size,
+                                 int64_t s_block, int64_t s_head, int64_t s_slot, int64_t threads, int level,
+                                 int64_t* saturated) {
+  const int64_t n = (tokens + kTokenChunk - 1) / kTokenChunk;
+  std::vector<int64_t> sat(n, 0);
+  run_chunks(n, tokens * heads * n_tensors, threads, [&](int64_t i) {
+    for (int64_t t = i * kTokenChunk; t < std::min(tokens, (i + 1) * kTokenChunk); ++t) {
+      int64_t b = 0, o = t;
+      if (slots) {
+        const int64_t s = slots_i32 ? static_cast<const int32_t*>(slots)[t] : static_cast<const int64_t*>(slots)[t];
+        if (s < 0) continue;
+        b = s / block_size;
+        o = s % block_size;
+      }
+      for (int k = 0; k < n_tensors; ++k) {
+        const TokenRows& r = rows[k];
+        for (int64_t h = 0; h < heads; ++h) {
+          RowIn in{r.x + (t * r.st + h * r.sh) * esize(dt), dt, r.mu ? r.mu + h * kD : nullptr, rotate, c};
+          encode_rows(level, in, 1, 0, r.out + b * s_block + h * s_head + o * s_slot, 0, r.dv, sat[i]);
+        }
+      }
+    }
+  });
+  *saturated = 0;
+  for (int64_t i = 0; i < n; ++i) *saturated += sat[i];
+}
+
+// Checks the slots of a write (see qfa_encode_tokens): 0, or -2 / -3 with the token in *bad.
+static int64_t check_slots(const void* slots, int64_t slots_i32, int64_t tokens, int64_t capacity, int64_t* bad) {
+  bool repeated = false;
+  const int64_t t = bad_slot(slots, slots_i32 != 0, tokens, capacity, repeated);
+  if (t < 0) return 0;
+  *bad = t;
+  return repeated ? -3 : -2;
+}
+
 // The HiF8 codes of token rows x (tokens, heads, 128; element strides st, sh; last stride 1):
 // per row the codes of H (x - mu) / scale (mu: fp32 (heads, 128) or null; rotated or not;
 // saturating), the bits of qfa_prep_encode's. Row (t, h) goes to out + b * s_block + h * s_head
@@ -994,31 +1044,33 @@ int64_t qfa_encode_tokens(const void* x, int64_t dt, int64_t tokens, int64_t hea
   if (level < 0) return -1;
   *saturated = 0;
   if (slots) {
-    bool repeated = false;
-    const int64_t t = bad_slot(slots, slots_i32 != 0, tokens, blocks * block_size, repeated);
-    if (t >= 0) { *bad = t; return repeated ? -3 : -2; }
+    const int64_t refused = check_slots(slots, slots_i32, tokens, blocks * block_size, bad);
+    if (refused) return refused;
   }
-  const char* xb = static_cast<const char*>(x);
-  const int d = (int)dt;
-  const Divisor dv = divisor_of((float)scale);
-  const int64_t n = (tokens + kTokenChunk - 1) / kTokenChunk;
-  std::vector<int64_t> sat(n, 0);
-  run_chunks(n, tokens * heads, threads, [&](int64_t i) {
-    for (int64_t t = i * kTokenChunk; t < std::min(tokens, (i + 1) * kTokenChunk); ++t) {
-      int64_t b = 0, o = t;
-      if (slots) {
-        const int64_t s = slots_i32 ? static_cast<const int32_t*>(slots)[t] : static_cast<const int64_t*>(slots)[t];
-        if (s < 0) continue;
-        b = s / block_size;
-        o = s % block_size;
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        RowIn in{xb + (t * st + h * sh) * esize(d), d, mu ? mu + h * kD : nullptr, rotate != 0, (float)c};
-        encode_rows(level, in, 1, 0, out + b * s_block + h * s_head + o * s_slot, 0, dv, sat[i]);
-      }
-    }
-  });
-  for (int64_t i = 0; i < n; ++i) *saturated += sat[i];
+  const TokenRows rows{static_cast<const char*>(x), st, sh, mu, divisor_of((float)scale), out};
+  encode_token_tensors(&rows, 1, (int)dt, tokens, heads, rotate != 0, (float)c, slots, slots_i32 != 0, block_size,
+                       s_block, s_head, s_slot, threads, level, saturated);
+  return 0;
+}
+
+// A step's keys k and values v (tokens, heads, 128, one dtype; strides k_st, k_sh and v_st, v_sh)
+// written as qfa_encode_tokens writes each, k with the means mu and k_scale into k_out, v with
+// v_scale into v_out (two caches of one geometry: a paged cache's K and V halves), at the same
+// slots, checked once: all or nothing. *saturated counts both.
+int64_t qfa_encode_kv_tokens(const void* k, const void* v, int64_t dt, int64_t tokens, int64_t heads, int64_t k_st,
+                             int64_t k_sh, int64_t v_st, int64_t v_sh, const float* mu, int64_t rotate, double c,
+                             double k_scale, double v_scale, uint8_t* k_out, uint8_t* v_out, const void* slots,
+                             int64_t slots_i32, int64_t block_size, int64_t blocks, int64_t s_block, int64_t s_head,
+                             int64_t s_slot, int64_t threads, int64_t isa, int64_t* saturated, int64_t* bad) {
+  int level = pick(isa);
+  if (level < 0) return -1;
+  *saturated = 0;
+  const int64_t refused = check_slots(slots, slots_i32, tokens, blocks * block_size, bad);
+  if (refused) return refused;
+  const TokenRows rows[2] = {{static_cast<const char*>(k), k_st, k_sh, mu, divisor_of((float)k_scale), k_out},
+                             {static_cast<const char*>(v), v_st, v_sh, nullptr, divisor_of((float)v_scale), v_out}};
+  encode_token_tensors(rows, 2, (int)dt, tokens, heads, rotate != 0, (float)c, slots, slots_i32 != 0, block_size,
+                       s_block, s_head, s_slot, threads, level, saturated);
   return 0;
 }
 

@@ -250,13 +250,13 @@ def restore_output(out: torch.Tensor, dtype: torch.dtype, *, into: Optional[torc
     return cpu_prepare.rotate_rows(out.contiguous(), dtype, ROTATION_C, out=into)
 
 
-def _check_token_rows(x) -> None:
+def _check_token_rows(x, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in cpu_prepare.DTYPE_CODES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() != 3 or x.shape[-1] != HEAD_DIM:
-        raise ValueError(f"x must be (tokens, heads, {HEAD_DIM}), got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must be (tokens, heads, {HEAD_DIM}), got shape {tuple(x.shape)}")
 
 
 def _check_tokens(x, mean, rotate, scale, calibration) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -310,11 +310,11 @@ class StaticEncoding:
         # the native passes read the mean where it lies, contiguous
         self._native_mean = None if mean is None or mean.device.type != "cpu" else mean.contiguous()
 
-    def _check(self, x) -> None:
-        _check_token_rows(x)
+    def _check(self, x, name: str = "x") -> None:
+        _check_token_rows(x, name)
         if self.mean is not None and (x.shape[1] != self.mean.shape[0] or x.device != self.mean.device):
-            raise ValueError(f"x must have the mean's {self.mean.shape[0]} heads on its device {self.mean.device}, "
-                             f"got {x.shape[1]} heads on {x.device}")
+            raise ValueError(f"{name} must have the mean's {self.mean.shape[0]} heads on its device "
+                             f"{self.mean.device}, got {x.shape[1]} heads on {x.device}")
 
     def _native(self, x: torch.Tensor) -> bool:
         return native_rows(x) and (self.mean is None or self._native_mean is not None)
@@ -347,15 +347,8 @@ class StaticEncoding:
         ``slots_name`` and leaves the cache as it was. On CPU one native pass (no codes tensor in
         between); elsewhere :meth:`encode` and an indexed write, same bits."""
         self._check(x)
-        if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 4 or \
-                tuple(cache.shape[1::2]) != (x.shape[1], HEAD_DIM):
-            raise ValueError(f"cache must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's {x.shape[1]} "
-                             f"heads, got {getattr(cache, 'dtype', type(cache).__name__)} "
-                             f"{tuple(getattr(cache, 'shape', ()))}")
-        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
-                tuple(slots.shape) != (x.shape[0],):
-            raise ValueError(f"{slots_name} must be int32 / int64 of shape ({x.shape[0]},) (one slot per token), got "
-                             f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+        _check_cache(cache, x, "cache")
+        _check_slots(slots, x, slots_name)
         capacity = cache.shape[0] * cache.shape[2]
         if self._native(x) and cache.device.type == "cpu" and slots.device.type == "cpu":
             written = cpu_prepare.write_token_rows(_rows(x), cache, slots.contiguous(), self.value, ROTATION_C,
@@ -376,6 +369,49 @@ class StaticEncoding:
         block_size = cache.shape[2]
         cache[named // block_size, :, named % block_size] = codes.to(cache.device)
         return saturated
+
+
+def _check_cache(cache, x: torch.Tensor, name: str) -> None:
+    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 4 or \
+            tuple(cache.shape[1::2]) != (x.shape[1], HEAD_DIM):
+        raise ValueError(f"{name} must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's {x.shape[1]} "
+                         f"heads, got {getattr(cache, 'dtype', type(cache).__name__)} "
+                         f"{tuple(getattr(cache, 'shape', ()))}")
+
+
+def _check_slots(slots, x: torch.Tensor, name: str) -> None:
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
+            tuple(slots.shape) != (x.shape[0],):
+        raise ValueError(f"{name} must be int32 / int64 of shape ({x.shape[0]},) (one slot per token), got "
+                         f"{getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+
+
+def write_keys_values(keys: StaticEncoding, values: StaticEncoding, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      slots_name: str = "slots") -> int:
+    """``keys.write(k, k_cache, slots) + values.write(v, v_cache, slots)`` as one call (a serving
+    engine's step: its keys and values into a paged cache's K and V views), all or nothing:
+    every argument and slot is checked before a byte of either is written. On CPU, with k and
+    v alike in dtype and the views alike in layout, one native pass over both."""
+    keys._check(k, "k")
+    values._check(v, "v")
+    if v.shape != k.shape:
+        raise ValueError(f"v must be shaped as k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _check_cache(k_cache, k, "k_cache")
+    _check_cache(v_cache, v, "v_cache")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must be shaped as k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    _check_slots(slots, k, slots_name)
+    if keys.rotate == values.rotate and values.mean is None and v.dtype == k.dtype and keys._native(k) and \
+            values._native(v) and v_cache.stride() == k_cache.stride() and \
+            all(t.device.type == "cpu" for t in (k_cache, v_cache, slots)):
+        written = cpu_prepare.write_kv_rows(_rows(k), _rows(v), k_cache, v_cache, slots.contiguous(), keys.value,
+                                            values.value, ROTATION_C, mean=keys._native_mean, rotate=keys.rotate)
+        if isinstance(written, cpu_prepare.SlotRefused):
+            raise _slot_error(written, slots, k_cache.shape[0] * k_cache.shape[2], slots_name)
+        return written
+    # what the first write accepts (its slots, against the same cache geometry), the second does
+    return keys.write(k, k_cache, slots, slots_name) + values.write(v, v_cache, slots, slots_name)
 
 
 def _static(mean, rotate, scale) -> StaticEncoding:

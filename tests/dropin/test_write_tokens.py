@@ -8,6 +8,8 @@
 * ``encode_token_rows`` (``encode_tokens`` with a static scale) at every SIMD level.
 * A kept ``StaticEncoding`` (an engine's per-layer state) gives every call's ``write_tokens`` /
   ``encode_tokens`` bits, and checks its state once, naming what it refuses.
+* ``write_keys_values`` (keys and values in one native pass) is the two writes, for one thread
+  and two; a refused pair writes neither.
 * The same bits for one thread and two, and for every team of the passes.
 * All or nothing: a slot beyond the cache, a slot named twice, or a bad argument raises a
   ValueError naming it, on both paths, and the cache keeps every byte. A state machine writes
@@ -231,6 +233,57 @@ def test_a_static_encoding_refuses_tokens_its_mean_does_not_fit():
                        torch.tensor([0, 1, 2]))
     with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got torch.float64"):
         encoding.write(tokens(3, seed=25).double(), k_view, torch.tensor([0, 1, 2]))
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.float16)], ids=["bf16", "fp32", "mixed"])
+@pytest.mark.parametrize("n, threads", [(9, 2), (600, 1), (600, 2)])
+def test_keys_and_values_in_one_call_are_the_two_writes(native, dtypes, n, threads, monkeypatch):
+    """write_keys_values (one native pass over both where k and v share a dtype) against a
+    keys.write and a values.write, for one thread and two."""
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
+    keys = prepare.StaticEncoding(2.0 ** -6, mean=torch.randn(HEADS, D, generator=torch.Generator().manual_seed(30)))
+    values = prepare.StaticEncoding(2.0 ** -5)
+    k, v = tokens(n, seed=31, dtype=dtypes[0], scale=300.0), tokens(n, seed=32, dtype=dtypes[1], scale=300.0)
+    slots = slots_for(n, 40, seed=33, padding=n // 7)
+    cache, k_view, v_view = vllm_cache(40, seed=34)
+    want, k_want, v_want = vllm_cache(40, seed=34)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        saturated = prepare.write_keys_values(keys, values, k, v, k_view, v_view, slots, "slot_mapping")
+    finally:
+        torch.set_num_threads(before)
+    want_saturated = keys.write(k, k_want, slots) + values.write(v, v_want, slots)
+    assert torch.equal(cache, want) and saturated == want_saturated > 0
+
+
+PAIR_REFUSALS = {
+    "slot beyond the cache": (dict(slots=torch.tensor([5, 96, 2])), ValueError, "slot_mapping holds slot 96"),
+    "slot named twice": (dict(slots=torch.tensor([5, 17, 5])), ValueError, "slot_mapping names slot 5 for tokens 0 and 2"),
+    "v of other heads": (dict(v=tokens(3, seed=40, heads=HEADS + 1)), ValueError, r"v must be shaped as k"),
+    "v not a tensor": (dict(v=[0.0]), TypeError, "v must be a torch.Tensor, got list"),
+    "v_cache of other blocks": (dict(v_cache=torch.zeros(5, HEADS, BLOCK, D, dtype=torch.uint8)), ValueError,
+                                "v_cache must be shaped as k_cache"),
+    "float slots": (dict(slots=torch.tensor([1.0, 2.0, 3.0])), ValueError, "slot_mapping must be int32 / int64"),
+}
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+@pytest.mark.parametrize("kind", sorted(PAIR_REFUSALS))
+def test_a_refused_pair_writes_neither(kind, native, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
+    change, exc, pattern = PAIR_REFUSALS[kind]
+    cache, k_view, v_view = vllm_cache(6, seed=41)
+    before = cache.clone()
+    call = {"k": tokens(3, seed=42), "v": tokens(3, seed=43), "k_cache": k_view, "v_cache": v_view,
+            "slots": torch.tensor([5, 17, 30]), **change}
+    encodings = prepare.StaticEncoding(1.0, mean=torch.zeros(HEADS, D)), prepare.StaticEncoding(1.0)
+    with pytest.raises(exc, match=pattern):
+        prepare.write_keys_values(*encodings, call["k"], call["v"], call["k_cache"], call["v_cache"], call["slots"],
+                                  "slot_mapping")
     assert torch.equal(cache, before)
 
 

@@ -84,6 +84,8 @@ _SIGNATURES = {
     "qfa_encode_flat": (_I, [_P, _I, _P, _I, _I, _I, _I]),
     "qfa_quantize_flat": (_I, [_P, _I, _P, _I, _D, _I, _I]),
     "qfa_encode_tokens": (_I, [_P, _I, _I, _I, _I, _I, _P, _I, _D, _D, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P]),
+    "qfa_encode_kv_tokens": (_I, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _I, _D, _D, _D, _P, _P, _P, _I, _I, _I, _I,
+                                  _I, _I, _I, _I, _P, _P]),
 }
 
 _lock = threading.Lock()  # held for the build: a second caller waits for it
@@ -364,6 +366,27 @@ class SlotRefused(NamedTuple):
     repeated: bool
 
 
+def _check_cache(cache: torch.Tensor, heads: int, name: str = "cache") -> None:
+    if cache.dtype != torch.uint8 or cache.dim() != 4 or tuple(cache.shape[1::2]) != (heads, 128) or \
+            (cache.numel() and cache.stride(-1) != 1):
+        raise ValueError(f"{name} must be uint8 (blocks, {heads}, block_size, 128) with contiguous rows, got "
+                         f"{cache.dtype} {tuple(cache.shape)} strides {cache.stride()}")
+
+
+def _check_slots(slots: torch.Tensor, tokens: int) -> None:
+    if slots.dtype not in (torch.int32, torch.int64) or tuple(slots.shape) != (tokens,) or \
+            (slots.numel() and slots.stride(0) != 1):
+        raise ValueError(f"slots must be a contiguous int32 / int64 ({tokens},) tensor, got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
+
+
+def _slot_result(result: int, bad: ctypes.c_int64, sat: ctypes.c_int64, what: str) -> int | SlotRefused:
+    if result in (-2, -3):
+        return SlotRefused(bad.value, result == -3)
+    _checked(result, what)
+    return sat.value
+
+
 def write_token_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float, c: float, *,
                      mean: torch.Tensor | None = None, rotate: bool = True,
                      isa: int | None = None) -> int | SlotRefused:
@@ -373,26 +396,46 @@ def write_token_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, 
     block_size``; a negative slot skips its token. Returns the saturated count, or, having
     written nothing, the :class:`SlotRefused` of a slot beyond the cache or named twice."""
     args = _token_args(x, mean)
-    if cache.dtype != torch.uint8 or cache.dim() != 4 or tuple(cache.shape[1::2]) != (x.shape[1], 128) or \
-            (cache.numel() and cache.stride(-1) != 1):
-        raise ValueError(f"cache must be uint8 (blocks, {x.shape[1]}, block_size, 128) with contiguous rows, got "
-                         f"{cache.dtype} {tuple(cache.shape)} strides {cache.stride()}")
-    if slots.dtype not in (torch.int32, torch.int64) or tuple(slots.shape) != (x.shape[0],) or \
-            (slots.numel() and slots.stride(0) != 1):
-        raise ValueError(f"slots must be a contiguous int32 / int64 ({x.shape[0]},) tensor, got {slots.dtype} "
-                         f"{tuple(slots.shape)}")
-    sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
+    _check_cache(cache, x.shape[1])
+    _check_slots(slots, x.shape[0])
     if x.shape[0] == 0:
         return 0
+    sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
     blocks, _, block_size, _ = cache.shape
     result = module().qfa_encode_tokens(*args, int(rotate), c, scale, cache.data_ptr(), slots.data_ptr(),
                                         int(slots.dtype == torch.int32), block_size, blocks, cache.stride(0),
                                         cache.stride(1), cache.stride(2), torch.get_num_threads(), _isa(isa),
                                         ctypes.byref(sat), ctypes.byref(bad))
-    if result in (-2, -3):
-        return SlotRefused(bad.value, result == -3)
-    _checked(result, "write_token_rows")
-    return sat.value
+    return _slot_result(result, bad, sat, "write_token_rows")
+
+
+def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor, k_scale: float, v_scale: float, c: float, *,
+                  mean: torch.Tensor | None = None, rotate: bool = True,
+                  isa: int | None = None) -> int | SlotRefused:
+    """:func:`write_token_rows` of keys ``k`` (with ``mean`` and ``k_scale``) into ``k_cache``
+    and of values ``v`` (``v_scale``, no mean) into ``v_cache`` at the same ``slots``, in one
+    pass: k and v alike in dtype and shape, the caches alike in shape and strides (a paged
+    cache's K and V views). The slots are checked once, before a byte of either is written.
+    Returns the saturated count of both, or the :class:`SlotRefused`."""
+    k_args, v_args = _token_args(k, mean), _token_args(v, None)
+    if v.dtype != k.dtype or v.shape != k.shape:
+        raise ValueError(f"v must be k's dtype and shape {k.dtype} {tuple(k.shape)}, got {v.dtype} {tuple(v.shape)}")
+    _check_cache(k_cache, k.shape[1], "k_cache")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != torch.uint8:
+        raise ValueError(f"v_cache must be uint8 of k_cache's shape {tuple(k_cache.shape)} and strides "
+                         f"{k_cache.stride()}, got {v_cache.dtype} {tuple(v_cache.shape)} {v_cache.stride()}")
+    _check_slots(slots, k.shape[0])
+    if k.shape[0] == 0:
+        return 0
+    sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
+    blocks, _, block_size, _ = k_cache.shape
+    result = module().qfa_encode_kv_tokens(
+        k_args[0], v_args[0], k_args[1], k_args[2], k_args[3], k_args[4], k_args[5], v_args[4], v_args[5],
+        k_args[6], int(rotate), c, k_scale, v_scale, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        int(slots.dtype == torch.int32), block_size, blocks, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        torch.get_num_threads(), _isa(isa), ctypes.byref(sat), ctypes.byref(bad))
+    return _slot_result(result, bad, sat, "write_kv_rows")
 
 
 def quantize_flat(x: torch.Tensor, scale: float, isa: int | None = None) -> tuple[torch.Tensor, int]:

@@ -21,7 +21,7 @@ import torch
 
 from qfa.dropin import calibration as cal
 from qfa.dropin import rotation
-from qfa.dropin.prepare import StaticEncoding
+from qfa.dropin.prepare import StaticEncoding, write_keys_values
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,4 @@ class LayerState:
         block_size, 128) at ``slots`` (vLLM's ``slot_mapping``: negative slots are padding and
         skipped); returns how many values saturated. All or nothing: a slot beyond the cache or
         named twice raises a ValueError naming ``slot_mapping``, with nothing written."""
-        if v.shape != k.shape or v_cache.shape != k_cache.shape:
-            raise ValueError(f"value must be shaped as key {tuple(k.shape)} and v_cache as k_cache "
-                             f"{tuple(k_cache.shape)}, got {tuple(v.shape)} and {tuple(v_cache.shape)}")
-        saturated = self.keys.write(k, k_cache, slots, "slot_mapping")
-        # the same slots and cache geometry: what K's write accepted, V's accepts
-        return saturated + self.values.write(v, v_cache, slots, "slot_mapping")
+        return write_keys_values(self.keys, self.values, k, v, k_cache, v_cache, slots, "slot_mapping")
