@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import threading
 import warnings
 from typing import Callable, Hashable
 
 import torch
+
+from qfa import _environ
 
 ENV_VAR = "QFA_COMPILE"
 #: Graphs one function may compile (shapes of size 1, and sizes that happen to be equal, each
@@ -108,7 +109,7 @@ def is_environmental(exc: BaseException) -> bool:
 def enabled(fn: Callable, device: torch.device, args: tuple = ()) -> bool:
     """Whether ``fn(*args)`` runs compiled: on CPU, unless ``QFA_COMPILE=0``, ``fn`` is broken
     for good, or its compile failed before for this :func:`signature` of ``args``."""
-    if device.type != "cpu" or os.environ.get(ENV_VAR, "1") == "0" or fn in _failed:
+    if device.type != "cpu" or _environ.read(ENV_VAR, "1") == "0" or fn in _failed:
         return False
     failed = _failed_signatures.get(fn)
     return not failed or signature(args) not in failed

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from qfa import _environ
+
 BACKENDS = ("torch", "triton")
 ENV_VAR = "QFA_BACKEND"
 #: Device types whose default is the Triton kernels (when Triton is installed).
@@ -23,13 +25,13 @@ def triton_available() -> bool:
 
 
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _environ.read("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def resolve(device: torch.device, requested: str | None = None) -> str:
     """The backend for tensors on ``device``: ``requested``, else ``$QFA_BACKEND``, else by device."""
     source = "backend"
-    if requested is None and os.environ.get(ENV_VAR):
+    if requested is None and _environ.read(ENV_VAR, ""):
         requested, source = os.environ[ENV_VAR], ENV_VAR
     if requested is None:
         return "triton" if device.type in _TRITON_DEVICES and triton_available() else "torch"

@@ -9,9 +9,9 @@ they differ only in summation order. Elsewhere (no oneDNN, other devices) this i
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from qfa import _environ
 
 #: ``QFA_ONEDNN=0`` sends the GEMMs to torch's default matmul instead.
 ENV_VAR = "QFA_ONEDNN"
@@ -19,7 +19,7 @@ _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends
 
 
 def onednn_enabled(device: torch.device) -> bool:
-    return _LINEAR is not None and device.type == "cpu" and os.environ.get(ENV_VAR, "1") != "0"
+    return _LINEAR is not None and device.type == "cpu" and _environ.read(ENV_VAR, "1") != "0"
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ from typing import Callable
 
 import torch
 
-from qfa import csrc
+from qfa import _environ, csrc
 from qfa.cast import luts
 from qfa.cast import mxfp8
 from qfa.cast import rounding
@@ -176,7 +176,7 @@ def _cpu_flags() -> str:
 def bf16_dot() -> bool:
     """Whether calls run the many-row blocks as bf16 dot products: the AVX512_BF16 build is
     loaded, and ``QFA_BF16_DOT`` is not 0."""
-    return available() and _module.has_bf16_dot() and os.environ.get(BF16_ENV_VAR, "1") != "0"
+    return available() and _module.has_bf16_dot() and _environ.read(BF16_ENV_VAR, "1") != "0"
 
 
 def last_paths() -> list[str]:
@@ -251,7 +251,7 @@ def _build() -> ModuleType:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "1") != "0"
+    return _environ.read(ENV_VAR, "1") != "0"
 
 
 def _load() -> None:
@@ -654,7 +654,7 @@ def forward_scaled(
         lse_strides = (0, 0, 0)
     if bf16_dot is None:
         # bf16_dot() with the module known to be loaded (it would ask available() once more)
-        bf16_dot = _module.has_bf16_dot() and os.environ.get(BF16_ENV_VAR, "1") != "0"
+        bf16_dot = _module.has_bf16_dot() and _environ.read(BF16_ENV_VAR, "1") != "0"
     elif bf16_dot and not _module.has_bf16_dot():
         raise ValueError(f"bf16_dot=True needs the AVX512_BF16 build (this CPU's is {cpu_capability()})")
     if mode == QuantMode.MXFP8:
