@@ -227,6 +227,21 @@ def test_a_block_table_changed_after_the_first_layer_is_checked_again():
     assert bool((out == 7.0).all())
 
 
+def test_a_cache_tensor_given_anew_is_the_one_read():
+    """The layer keeps its cache's views while vLLM passes the same tensor; another tensor (a
+    reallocated cache) is read, not the kept views: here a copy, with the original zeroed."""
+    batch = Batch(MIXED)
+    config = vllm_config()
+    impl = make_impl(config)
+    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
+    q = run_layer_tokens(impl, cache, batch, torch.bfloat16, seed=4)
+    want = forward_step(impl, cache, batch, q, torch.bfloat16, config)
+    moved = cache.clone()
+    cache.zero_()
+    assert torch.equal(forward_step(impl, moved, batch, q, torch.bfloat16, config), want)
+    assert not torch.equal(forward_step(impl, cache, batch, q, torch.bfloat16, config), want)
+
+
 def _relative_rounding_bound(p: np.ndarray) -> np.ndarray:
     """The largest relative error HiF8 rounding can make on a value of magnitude p (in (0, 1]):
     half an ulp of the mantissa bits its binade keeps (3 bits for |E| <= 3, 2 to 7, 1 to 15, 0
