@@ -401,6 +401,9 @@ def write_keys_values(keys: StaticEncoding, values: StaticEncoding, k: torch.Ten
     _check_cache(v_cache, v, "v_cache")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must be shaped as k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.numel() and cache.stride(-1) != 1:  # what the native write refuses, refused before either
+            raise ValueError(f"{name} must have contiguous rows (last stride 1), got strides {cache.stride()}")
     _check_slots(slots, k, slots_name)
     if keys.rotate == values.rotate and values.mean is None and v.dtype == k.dtype and keys._native(k) and \
             values._native(v) and v_cache.stride() == k_cache.stride() and \

@@ -268,6 +268,8 @@ PAIR_REFUSALS = {
     "v_cache of other blocks": (dict(v_cache=torch.zeros(5, HEADS, BLOCK, D, dtype=torch.uint8)), ValueError,
                                 "v_cache must be shaped as k_cache"),
     "float slots": (dict(slots=torch.tensor([1.0, 2.0, 3.0])), ValueError, "slot_mapping must be int32 / int64"),
+    "v_cache of strided rows": (dict(v_cache=torch.zeros(6, HEADS, BLOCK, 2 * D, dtype=torch.uint8)[..., ::2]),
+                                ValueError, r"v_cache must have contiguous rows \(last stride 1\)"),
 }
 
 
