@@ -1054,9 +1054,9 @@ int64_t qfa_encode_tokens(const void* x, int64_t dt, int64_t tokens, int64_t hea
 }
 
 // A step's keys k and values v (tokens, heads, 128, one dtype; strides k_st, k_sh and v_st, v_sh)
-// written as qfa_encode_tokens writes each, k with the means mu and k_scale into k_out, v with
-// v_scale into v_out (two caches of one geometry: a paged cache's K and V halves), at the same
-// slots, checked once: all or nothing. *saturated counts both.
+// written as qfa_encode_tokens writes each into slots, k with the means mu and k_scale into k_out,
+// v with v_scale into v_out (two caches of one geometry: a paged cache's K and V halves), at the
+// same slots (required: -4 without), checked once: all or nothing. *saturated counts both.
 int64_t qfa_encode_kv_tokens(const void* k, const void* v, int64_t dt, int64_t tokens, int64_t heads, int64_t k_st,
                              int64_t k_sh, int64_t v_st, int64_t v_sh, const float* mu, int64_t rotate, double c,
                              double k_scale, double v_scale, uint8_t* k_out, uint8_t* v_out, const void* slots,
@@ -1065,6 +1065,7 @@ int64_t qfa_encode_kv_tokens(const void* k, const void* v, int64_t dt, int64_t t
   int level = pick(isa);
   if (level < 0) return -1;
   *saturated = 0;
+  if (!slots) return -4;
   const int64_t refused = check_slots(slots, slots_i32, tokens, blocks * block_size, bad);
   if (refused) return refused;
   const TokenRows rows[2] = {{static_cast<const char*>(k), k_st, k_sh, mu, divisor_of((float)k_scale), k_out},

@@ -5,7 +5,8 @@ KeyError inside, about a microsecond, and a vLLM layer's step read such switches
 ``read`` looks the name up in the mapping ``os.environ`` keeps in step with its changes (its
 ``_data``: CPython's, bytes keys on POSIX), so a switch set or removed at run time (a test's
 monkeypatch, a user's ``os.environ[...] = ...``) is seen by the next call, as with
-``os.environ.get``. Where that mapping is not there, it is ``os.environ.get``.
+``os.environ.get``. Where that mapping is not there, it is ``os.environ.get``. (A program that
+replaces the ``os.environ`` object itself is not followed: none of qfa's does.)
 """
 
 from __future__ import annotations

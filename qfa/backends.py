@@ -8,7 +8,6 @@ only under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -31,8 +30,9 @@ def triton_interpreting() -> bool:
 def resolve(device: torch.device, requested: str | None = None) -> str:
     """The backend for tensors on ``device``: ``requested``, else ``$QFA_BACKEND``, else by device."""
     source = "backend"
-    if requested is None and _environ.read(ENV_VAR, ""):
-        requested, source = os.environ[ENV_VAR], ENV_VAR
+    if requested is None:
+        requested = _environ.read(ENV_VAR, "") or None
+        source = ENV_VAR
     if requested is None:
         return "triton" if device.type in _TRITON_DEVICES and triton_available() else "torch"
     if requested not in BACKENDS:

@@ -34,8 +34,9 @@ import torch
 from qfa.tiling.attention_checks import (  # noqa: F401  (re-exported: the plan's users ask here)
     LAYOUTS, MAX_BATCH, PACKED_LAYOUTS, PAGED_LAYOUTS, _AXES, _check_attn_mask, _check_max_seqlen, _check_paged,
     _contiguous_strides, _paged_shape, _shape_of, check_block_table_values, check_devices, check_heads,
-    check_mask_mode, check_quant_mode, check_run_tensors, check_scale_values, check_shapes, check_softmax_scale,
-    Layouts, check_unsupported, host_reads_are_free, lse_shape, normalised_strides, paged_strides, resolve_layouts,
+    check_mask_mode, check_quant_mode, check_run_tensors, check_scale_floats, check_scale_values, check_shapes,
+    check_softmax_scale, Layouts, check_unsupported, host_reads_are_free, lse_shape, normalised_strides, paged_strides,
+    resolve_layouts,
 )
 from qfa.tiling.checks import (
     apply_seqused, check_batch_size, check_bool, check_sequence_lengths, cumulative_lengths, int32_vector,
@@ -372,12 +373,26 @@ def bind(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax
         return meta._plans.setdefault(key, plan)
 
 
-def is_bound(plan: AttentionPlan, q, k, v, block_table=None) -> bool:
-    """Whether ``plan`` is the one :func:`bind` made of its metadata for tensors of q, k, v and
-    ``block_table``'s geometry (shapes, strides, dtype, device): a dictionary lookup, for
-    callers that run one checked plan on many tensors of that geometry."""
+def bound_plan(meta: AttentionMetadata, q, k, v, *, softmax_scale=None, return_softmax_lse: bool = False,
+               block_table=None) -> AttentionPlan | None:
+    """The plan :func:`bind` has made of ``meta`` for tensors of q, k, v and ``block_table``'s
+    geometry (shapes, strides, dtype, device), or None: a lookup, which binds nothing."""
+    key = _geometry_key(q, k, v, check_softmax_scale(softmax_scale, meta.head_dim), return_softmax_lse, block_table)
+    return meta._plans.get(key)
+
+
+def bound_mismatch(plan: AttentionPlan, q, k, v, block_table=None) -> str | None:
+    """None when ``plan`` is the one :func:`bind` made of its metadata for tensors of q, k, v and
+    ``block_table``'s geometry; else which of them differs from the tensors it was bound for
+    (for callers that run one checked plan on many tensors of that geometry)."""
     key = _geometry_key(q, k, v, plan.softmax_scale, plan.return_lse, block_table)
-    return plan.meta._plans.get(key) is plan
+    if plan.meta._plans.get(key) is plan:
+        return None
+    bound = next((known for known, p in list(plan.meta._plans.items()) if p is plan), None)
+    if bound is None:
+        return "the plan (not bound by its metadata)"
+    parts = (("q", (0, 1, 6, 7)), ("k", (2, 3)), ("v", (4, 5)), ("block_table", (10,)))
+    return next((name for name, at in parts if any(key[i] != bound[i] for i in at)), "q")
 
 
 def _bind(meta: AttentionMetadata, q, k, v, softmax_scale: float, return_lse: bool, block_table=None) -> AttentionPlan:

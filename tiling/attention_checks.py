@@ -345,11 +345,14 @@ def check_scale_values(plan: AttentionPlan, q_descale, k_descale, v_descale, p_s
         read = [t.tolist()[0] for t in scales]
     else:  # one synchronisation for all four
         read = torch.cat(scales).tolist()
-    q, k, v = read[0], read[1], read[2]
+    check_scale_floats(plan, read[0], read[1], read[2], read[3] if p_scale is not None else 1.0)
+
+
+def check_scale_floats(plan: AttentionPlan, q: float, k: float, v: float, p: float = 1.0) -> None:
+    """:func:`check_scale_values` on the scales' values (q, k and v descale, p_scale)."""
     for name, value in (("q_descale", q), ("k_descale", k), ("v_descale", v)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite value > 0, got {value:g}")
-    p = read[3] if p_scale is not None else 1.0
     if not (math.isfinite(p) and P_SCALE_RANGE[0] <= p <= P_SCALE_RANGE[1]):
         raise ValueError(f"p_scale must be in [2^-15, 2^15] = [{P_SCALE_RANGE[0]:g}, {P_SCALE_RANGE[1]:g}] (HiF8's "
                          f"normal binades: P lies in (0, p_scale]), got {p:g}")

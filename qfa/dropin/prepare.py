@@ -296,15 +296,25 @@ class StaticEncoding:
         mean: None, or fp32 (heads, 128): subtracted from every token before the rotation (K
             smoothing with a frozen per-head key mean), in fp32. Its heads fix the tokens'.
         rotate: apply the normalised Hadamard rotation (:func:`qfa.dropin.rotation.rotate`).
+        name: what errors call the scale (e.g. ``"k_scale"``).
     """
 
     def __init__(self, scale: Union[float, torch.Tensor], *, mean: Optional[torch.Tensor] = None,
-                 rotate: bool = True) -> None:
+                 rotate: bool = True, name: str = "scale") -> None:
         check_bool(rotate, "rotate")
         _check_mean(mean, None, None)
-        device = mean.device if mean is not None else None
-        self.scale = cal.check_scale(scale, "scale", device)
-        self.value = float(self.scale)  # the fp32 value, which the native passes divide by
+        self._set(cal.check_scale(scale, name, mean.device if mean is not None else None), mean, rotate)
+
+    @classmethod
+    def _checked(cls, scale: torch.Tensor, mean: Optional[torch.Tensor], rotate: bool) -> "StaticEncoding":
+        """One of arguments :func:`_check_tokens` has checked (no second check)."""
+        encoding = cls.__new__(cls)
+        encoding._set(scale, mean, rotate)
+        return encoding
+
+    def _set(self, scale: torch.Tensor, mean: Optional[torch.Tensor], rotate: bool) -> None:
+        self.scale = scale
+        self.value = float(scale)  # the fp32 value, which the native passes divide by
         self.mean = mean
         self.rotate = rotate
         # the native passes read the mean where it lies, contiguous
@@ -377,6 +387,8 @@ def _check_cache(cache, x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be uint8 (blocks, heads, block_size, {HEAD_DIM}) with x's {x.shape[1]} "
                          f"heads, got {getattr(cache, 'dtype', type(cache).__name__)} "
                          f"{tuple(getattr(cache, 'shape', ()))}")
+    if cache.numel() and cache.stride(-1) != 1:  # what the native pass needs, refused on every path alike
+        raise ValueError(f"{name} must have contiguous rows (last stride 1), got strides {cache.stride()}")
 
 
 def _check_slots(slots, x: torch.Tensor, name: str) -> None:
@@ -401,9 +413,6 @@ def write_keys_values(keys: StaticEncoding, values: StaticEncoding, k: torch.Ten
     _check_cache(v_cache, v, "v_cache")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must be shaped as k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.numel() and cache.stride(-1) != 1:  # what the native write refuses, refused before either
-            raise ValueError(f"{name} must have contiguous rows (last stride 1), got strides {cache.stride()}")
     _check_slots(slots, k, slots_name)
     if keys.rotate == values.rotate and values.mean is None and v.dtype == k.dtype and keys._native(k) and \
             values._native(v) and v_cache.stride() == k_cache.stride() and \
@@ -415,14 +424,6 @@ def write_keys_values(keys: StaticEncoding, values: StaticEncoding, k: torch.Ten
         return written
     # what the first write accepts (its slots, against the same cache geometry), the second does
     return keys.write(k, k_cache, slots, slots_name) + values.write(v, v_cache, slots, slots_name)
-
-
-def _static(mean, rotate, scale) -> StaticEncoding:
-    """The StaticEncoding of arguments :func:`_check_tokens` has checked (no second check)."""
-    encoding = StaticEncoding.__new__(StaticEncoding)
-    encoding.scale, encoding.value, encoding.mean, encoding.rotate = scale, float(scale), mean, rotate
-    encoding._native_mean = None if mean is None or mean.device.type != "cpu" else mean.contiguous()
-    return encoding
 
 
 def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotate: bool = True,
@@ -461,7 +462,7 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
     """
     mean, scale = _check_tokens(x, mean, rotate, scale, calibration)
     if scale is not None:
-        codes, saturated = _static(mean, rotate, scale).encode(x)
+        codes, saturated = StaticEncoding._checked(scale, mean, rotate).encode(x)
         return codes, scale, torch.tensor(saturated, dtype=torch.int64)
     reduction = fused_reduction(calibration)
     if native_rows(x) and (mean is None or mean.device.type == "cpu") and reduction is not None:
@@ -496,4 +497,4 @@ def write_tokens(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scal
     into a paged cache (:meth:`StaticEncoding.write`, which says how; an engine writing many
     calls with one state keeps the :class:`StaticEncoding`)."""
     mean, scale = _check_tokens(x, mean, rotate, scale, None)
-    return _static(mean, rotate, scale).write(x, cache, slots, slots_name)
+    return StaticEncoding._checked(scale, mean, rotate).write(x, cache, slots, slots_name)

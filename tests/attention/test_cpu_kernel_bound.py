@@ -15,7 +15,7 @@ import torch
 import qfa
 from qfa.attention.backends import cpu_kernel, cpu_prepare
 from qfa.dropin import prepare
-from qfa.tiling.attention import bind
+from qfa.tiling.attention import bind, bound_plan
 from test_attention_paged import make_case, page_out
 from test_cpu_kernel_epilogue import same
 
@@ -34,6 +34,7 @@ class Step:
         self.q, ks, vs, q_args, _, gen = make_case(Q_LENS, KV_LENS, nq=6, nkv=2, layout="TND", seed=seed)
         self.k, self.table = page_out(ks, 16, "PA_BNBD", gen)
         self.v, _ = page_out(vs, 16, "PA_BNBD", gen, table=self.table)
+        self.own_table = self.table
         self.seqused = torch.tensor(KV_LENS, dtype=torch.int32)
         self.cu = q_args["cu_seqlens_q"]
         self.meta = qfa.quant_flash_attn_metadata(6, 2, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
@@ -48,13 +49,16 @@ class Step:
                                     layout_out="TND")[0]
 
     def plan(self):
-        return bind(self.meta, self.q, self.k, self.v, softmax_scale=SOFTMAX, block_table=self.table)
+        """The plan the op bound for the step's own tensors."""
+        plan = bound_plan(self.meta, self.q, self.k, self.v, softmax_scale=SOFTMAX, block_table=self.own_table)
+        assert plan is not None, "no op call bound a plan for these tensors"
+        return plan
 
     def run(self, out, scales=None, q=None, k=None, v=None, rotate_c=C, **kw) -> None:
         qd, kd, vd = scales or self.scales
         plan = self.plan()
-        args = dict(dscale=cpu_kernel.dscale_of(float(qd), float(kd), plan.softmax_scale), v_descale=float(vd),
-                    block_table=self.table, rotate_c=rotate_c)
+        args = dict(q_descale=float(qd), k_descale=float(kd), v_descale=float(vd), block_table=self.table,
+                    rotate_c=rotate_c)
         args.update(kw)
         cpu_kernel.run_bound(plan, self.q if q is None else q, self.k if k is None else k,
                              self.v if v is None else v, out, **args)
@@ -97,13 +101,31 @@ def _refused(step: Step, pattern: str, out=None, **kw) -> None:
     assert torch.equal(out, before), "a refused run wrote into out"
 
 
-def test_tensors_the_plan_was_not_bound_for_are_refused():
+def test_tensors_the_plan_was_not_bound_for_are_refused_naming_them():
     step = Step()
     step.op()
-    fewer_blocks = step.k[:-1]
-    _refused(step, "geometry the plan was bound for", k=fewer_blocks)
-    _refused(step, "geometry the plan was bound for", v=step.v.transpose(0, 1).contiguous().transpose(0, 1))
+    _refused(step, "^k must have the geometry the plan was bound for", k=step.k[:-1])
+    _refused(step, "^v must have the geometry", v=step.v.transpose(0, 1).contiguous().transpose(0, 1))
+    _refused(step, "^q must have the geometry", q=torch.cat([step.q, step.q]))
+    step.table = torch.cat([step.table, step.table], dim=1)
+    _refused(step, "^block_table must have the geometry")
+    step.table = step.own_table
     _refused(step, "q, k and v must be uint8 HiF8 codes", q=step.q.view(torch.int8))
+
+
+def test_only_a_plan_an_op_call_bound_runs():
+    """A lookup binds nothing: before any op call there is no plan to run, and a plan bound by
+    hand for other tensors is refused for these."""
+    step = Step()
+    assert bound_plan(step.meta, step.q, step.k, step.v, softmax_scale=SOFTMAX, block_table=step.table) is None
+    step.op()
+    assert step.plan() is bind(step.meta, step.q, step.k, step.v, softmax_scale=SOFTMAX, block_table=step.table)
+    other = bind(step.meta, step.q, step.k[:-1], step.v[:-1], softmax_scale=SOFTMAX, block_table=step.table)
+    out = torch.full(step.q.shape, 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^k must have the geometry the plan was bound for"):
+        cpu_kernel.run_bound(other, step.q, step.k, step.v, out, q_descale=1.0, k_descale=1.0, v_descale=1.0,
+                             block_table=step.table)
+    assert bool((out == 7.0).all())
 
 
 @pytest.mark.parametrize("case", ["dtype", "shape", "strided", "bf16 only unrotated"])
@@ -121,9 +143,22 @@ def test_an_out_it_cannot_fill_is_refused(case):
     _refused(step, "out must be a contiguous CPU tensor of q's shape", out=out, **kw)
 
 
-@pytest.mark.parametrize("name, value", [("dscale", 0.0), ("dscale", math.nan), ("v_descale", math.inf),
-                                         ("v_descale", -1.0)])
-def test_scalars_out_of_range_are_refused(name, value):
+@pytest.mark.parametrize("name, value, pattern", [
+    ("q_descale", 0.0, "q_descale must be a finite value > 0"),
+    ("k_descale", math.nan, "k_descale must be a finite value > 0"),
+    ("v_descale", math.inf, "v_descale must be a finite value > 0"),
+    ("v_descale", -1.0, "v_descale must be a finite value > 0"),
+    ("k_descale", 1e30, r"softmax_scale \* q_descale \* k_descale must be <="),
+    ("v_descale", 1e35, "v_descale must be <= .* for this call"),
+    ("rotate_c", -1.0, "rotate_c must be 0"),
+    ("rotate_c", math.inf, "rotate_c must be 0"),
+])
+def test_scalars_the_op_refuses_are_refused(name, value, pattern):
     step = Step()
     step.op()
-    _refused(step, f"{name} must be positive and finite", **{name: value})
+    if name.endswith("descale"):  # the op itself refuses the same values
+        scales = [t.clone() for t in step.scales]
+        scales["qkv".index(name[0])].fill_(value)
+        with pytest.raises(ValueError, match=pattern):
+            step.op(scales=tuple(scales))
+    _refused(step, pattern, **{name: value})

@@ -6,10 +6,10 @@
   saturated count, for every dtype, with and without K means and rotation, int32 and int64
   slots, padding, strided tokens and a cache view whose blocks are strided (vLLM's K half).
 * ``encode_token_rows`` (``encode_tokens`` with a static scale) at every SIMD level.
-* A kept ``StaticEncoding`` (an engine's per-layer state) gives every call's ``write_tokens`` /
-  ``encode_tokens`` bits, and checks its state once, naming what it refuses.
-* ``write_keys_values`` (keys and values in one native pass) is the two writes, for one thread
-  and two; a refused pair writes neither.
+* A kept ``StaticEncoding`` (an engine's per-layer state) writes and encodes the reference's
+  codes call after call, and checks its state once, naming what it refuses.
+* ``write_keys_values`` (keys and values in one native pass) writes the reference's codes of
+  each half, for one thread and two and at every SIMD level; a refused pair writes neither.
 * The same bits for one thread and two, and for every team of the passes.
 * All or nothing: a slot beyond the cache, a slot named twice, or a bad argument raises a
   ValueError naming it, on both paths, and the cache keeps every byte. A state machine writes
@@ -192,22 +192,26 @@ def test_restore_output_into_a_buffer_is_the_returned_tensor(dtype):
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
-def test_a_kept_static_encoding_is_write_tokens_and_encode_tokens_call_after_call(native, monkeypatch):
+@pytest.mark.parametrize("rotate", [True, False])
+def test_a_kept_static_encoding_writes_and_encodes_the_reference_call_after_call(native, rotate, monkeypatch):
     """What an engine keeps per layer: one StaticEncoding, checked once, called for batches of
-    every dtype and size, gives each call's write_tokens / encode_tokens bits."""
+    every dtype and size, against this file's per-token reference and the documented encode."""
     monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
-    mean, scale = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(20)), torch.tensor([2.0 ** -6])
-    encoding = prepare.StaticEncoding(scale, mean=mean)
-    assert encoding.value == 2.0 ** -6 and torch.equal(encoding.scale, scale)
+    mean, scale = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(20)), 2.0 ** -6
+    encoding = prepare.StaticEncoding(torch.tensor([scale]), mean=mean, rotate=rotate)
+    assert encoding.value == scale
     for seed, dtype, n in ((21, torch.float32, 1), (22, torch.bfloat16, 7), (23, torch.float16, 33)):
         x, slots = tokens(n, seed=seed, dtype=dtype, scale=300.0), slots_for(n, 6, seed=seed, padding=n // 5)
         cache, k_view, _ = vllm_cache(6, seed=seed)
         want, want_view, _ = vllm_cache(6, seed=seed)
         saturated = encoding.write(x, k_view, slots)
-        assert saturated == prepare.write_tokens(x, want_view, slots, scale, mean=mean) and torch.equal(cache, want)
+        assert saturated == reference_write(want_view, x, slots, scale, mean, rotate) and torch.equal(cache, want)
         codes, counted = encoding.encode(x)
-        want_codes, _, want_counted = prepare.encode_tokens(x, mean=mean, scale=scale)
-        assert torch.equal(codes, want_codes) and counted == int(want_counted) > 0
+        y = x.float() - mean
+        y = rotation.rotate(y) if rotate else y
+        assert torch.equal(codes, cal.quantize(y, scale))
+        assert counted == reference_write(torch.zeros(n, HEADS, BLOCK, D, dtype=torch.uint8), x,
+                                          torch.arange(n) * BLOCK, scale, mean, rotate) > 0
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
@@ -239,13 +243,14 @@ def test_a_static_encoding_refuses_tokens_its_mean_does_not_fit():
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                     (torch.bfloat16, torch.float16)], ids=["bf16", "fp32", "mixed"])
-@pytest.mark.parametrize("n, threads", [(9, 2), (600, 1), (600, 2)])
-def test_keys_and_values_in_one_call_are_the_two_writes(native, dtypes, n, threads, monkeypatch):
-    """write_keys_values (one native pass over both where k and v share a dtype) against a
-    keys.write and a values.write, for one thread and two."""
+@pytest.mark.parametrize("n, threads, rotate", [(9, 2, True), (9, 1, False), (600, 1, True), (600, 2, True)])
+def test_keys_and_values_in_one_call_are_the_reference(native, dtypes, n, threads, rotate, monkeypatch):
+    """write_keys_values (one native pass over both where k and v share a dtype; two writes
+    where not) against this file's per-token reference of each half, for one thread and two."""
     monkeypatch.setenv(cpu_kernel.ENV_VAR, native)
-    keys = prepare.StaticEncoding(2.0 ** -6, mean=torch.randn(HEADS, D, generator=torch.Generator().manual_seed(30)))
-    values = prepare.StaticEncoding(2.0 ** -5)
+    mean = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(30))
+    keys = prepare.StaticEncoding(2.0 ** -6, mean=mean, rotate=rotate)
+    values = prepare.StaticEncoding(2.0 ** -5, rotate=rotate)
     k, v = tokens(n, seed=31, dtype=dtypes[0], scale=300.0), tokens(n, seed=32, dtype=dtypes[1], scale=300.0)
     slots = slots_for(n, 40, seed=33, padding=n // 7)
     cache, k_view, v_view = vllm_cache(40, seed=34)
@@ -256,7 +261,24 @@ def test_keys_and_values_in_one_call_are_the_two_writes(native, dtypes, n, threa
         saturated = prepare.write_keys_values(keys, values, k, v, k_view, v_view, slots, "slot_mapping")
     finally:
         torch.set_num_threads(before)
-    want_saturated = keys.write(k, k_want, slots) + values.write(v, v_want, slots)
+    want_saturated = reference_write(k_want, k, slots, 2.0 ** -6, mean, rotate) + \
+        reference_write(v_want, v, slots, 2.0 ** -5, None, rotate)
+    assert torch.equal(cache, want) and saturated == want_saturated > 0
+
+
+@pytest.mark.parametrize("level", range(len(cpu_prepare.ISA_NAMES)), ids=cpu_prepare.ISA_NAMES)
+def test_the_native_pair_at_every_level_is_the_reference(level):
+    if level > cpu_prepare.isa_level():
+        pytest.skip(f"this CPU lacks {' / '.join(cpu_prepare.ISA_FLAGS[level])}")
+    mean = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(35))
+    k, v = tokens(40, seed=36, dtype=torch.bfloat16, scale=300.0), tokens(40, seed=37, dtype=torch.bfloat16, scale=300.0)
+    slots = slots_for(40, 8, seed=38, padding=4, dtype=torch.int32)
+    cache, k_view, v_view = vllm_cache(8, seed=39)
+    want, k_want, v_want = vllm_cache(8, seed=39)
+    saturated = cpu_prepare.write_kv_rows(k, v, k_view, v_view, slots, 2.0 ** -6, 2.0 ** -5, prepare.ROTATION_C,
+                                          mean=mean, isa=level)
+    want_saturated = reference_write(k_want, k, slots, 2.0 ** -6, mean, True) + \
+        reference_write(v_want, v, slots, 2.0 ** -5, None, True)
     assert torch.equal(cache, want) and saturated == want_saturated > 0
 
 

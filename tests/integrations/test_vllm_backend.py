@@ -227,9 +227,69 @@ def test_a_block_table_changed_after_the_first_layer_is_checked_again():
     assert bool((out == 7.0).all())
 
 
+def test_vllms_own_writes_to_its_table_do_not_reach_a_built_step():
+    """vLLM writes its persistent block table in place through numpy (no version counter sees
+    that): the step's metadata holds a copy, so later layers read the table the op checked."""
+    batch = Batch(MIXED)
+    config = vllm_config()
+    impl = make_impl(config)
+    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
+    q = run_layer_tokens(impl, cache, batch, torch.float32, seed=6)
+    want = forward_step(impl, cache, batch, q, torch.float32, config)
+    metadata = qb.make_metadata(batch.common(), NQ, NKV)
+    forward_step(impl, cache, batch, q, torch.float32, config, metadata)
+    batch.block_table.numpy()[0, 0] = batch.num_blocks + 5  # vLLM's next step, being written
+    assert torch.equal(forward_step(impl, cache, batch, q, torch.float32, config, metadata), want)
+
+
+def test_a_step_given_another_table_checks_it_again():
+    if not cpu_kernel.available():
+        pytest.skip("the native CPU kernel is not built here")
+    import dataclasses
+
+    batch = Batch(MIXED)
+    config = vllm_config()
+    impl = make_impl(config)
+    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
+    q = run_layer_tokens(impl, cache, batch, torch.float32, seed=7)
+    metadata = qb.make_metadata(batch.common(), NQ, NKV)
+    forward_step(impl, cache, batch, q, torch.float32, config, metadata)
+    rows = metadata.block_table.tolist()
+    rows[0][0] = batch.num_blocks + 5
+    table = torch.tensor(rows, dtype=torch.int32)  # a fresh tensor: its version is the kept one's
+    assert table._version == metadata.block_table._version
+    other = dataclasses.replace(metadata, block_table=table)  # shares the kept plans
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] must be a block index"):
+        forward_step(impl, cache, batch, q, torch.float32, config, other)
+
+
+def test_a_step_in_inference_mode_runs_its_later_layers_on_the_kept_plan(monkeypatch):
+    """vLLM builds and runs steps under torch.inference_mode, where new tensors have no version
+    counter: the step's table copy is still a normal tensor, and a later layer runs the kept plan
+    with the op's bits."""
+    if not cpu_kernel.available():
+        pytest.skip("the native CPU kernel is not built here")
+    batch = Batch(MIXED)
+    config = vllm_config()
+    impl = make_impl(config)
+    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
+    q = run_layer_tokens(impl, cache, batch, torch.bfloat16, seed=8)
+    want = forward_step(impl, cache, batch, q, torch.bfloat16, config)
+    runs = []
+    real = cpu_kernel.run_bound
+    monkeypatch.setattr(cpu_kernel, "run_bound", lambda *a, **kw: runs.append(1) or real(*a, **kw))
+    with torch.inference_mode():
+        common = batch.common()
+        common.block_table_tensor = common.block_table_tensor.clone()  # an inference tensor, as vLLM's
+        metadata = qb.make_metadata(common, NQ, NKV)
+        assert not metadata.block_table.is_inference()
+        outs = [forward_step(impl, cache, batch, q, torch.bfloat16, config, metadata) for _ in range(2)]
+    assert len(runs) == 1 and all(torch.equal(out, want) for out in outs)
+
+
 def test_a_cache_tensor_given_anew_is_the_one_read():
     """The layer keeps its cache's views while vLLM passes the same tensor; another tensor (a
-    reallocated cache) is read, not the kept views: here a copy, with the original zeroed."""
+    reallocated cache), or the same one on new storage, is read, not the kept views."""
     batch = Batch(MIXED)
     config = vllm_config()
     impl = make_impl(config)
@@ -240,6 +300,9 @@ def test_a_cache_tensor_given_anew_is_the_one_read():
     cache.zero_()
     assert torch.equal(forward_step(impl, moved, batch, q, torch.bfloat16, config), want)
     assert not torch.equal(forward_step(impl, cache, batch, q, torch.bfloat16, config), want)
+    # the same tensor object given new storage (set_): its new storage is read
+    cache.set_(moved.clone())
+    assert torch.equal(forward_step(impl, cache, batch, q, torch.bfloat16, config), want)
 
 
 def _relative_rounding_bound(p: np.ndarray) -> np.ndarray:

@@ -94,7 +94,7 @@ from qfa import _environ, csrc
 from qfa.cast import luts
 from qfa.cast import mxfp8
 from qfa.cast import rounding
-from qfa.tiling.attention import AttentionPlan, is_bound, lse_shape, normalised_strides
+from qfa.tiling.attention import AttentionPlan, bound_mismatch, check_scale_floats, lse_shape, normalised_strides
 from qfa.tiling.spec import HEAD_DIM, QuantMode
 
 ENV_VAR = "QFA_NATIVE"
@@ -481,22 +481,22 @@ def _launch(plan: AttentionPlan, q, k, v, out, out_strides, lse, lse_strides, ds
 
 
 def run_bound(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *,
-              dscale: float, v_descale: float, block_table: torch.Tensor | None = None,
+              q_descale: float, k_descale: float, v_descale: float, block_table: torch.Tensor | None = None,
               rotate_c: float = 0.0) -> None:
-    """The HiF8 mode's kernel on tensors a checked plan was bound for, with its scalars given:
-    what :func:`forward` runs after its per-call work, for an engine that runs one plan on many
-    layers' tensors (a vLLM step: one batch and block table, each layer its cache and scales).
+    """The HiF8 mode's kernel on tensors a checked plan was bound for, with the descales' values
+    given: what :func:`forward` runs after its per-call work, for an engine that runs one plan on
+    many layers' tensors (a vLLM step: one batch and block table, each layer its cache and
+    scales).
 
-    Checked here: ``plan`` is the one ``tiling.bind`` made for q, k, v and ``block_table``'s
-    geometry (so an op call with that plan checked these shapes and strides), the scalars are
-    positive and finite, and ``out``. The caller vouches for what only values say: the block
-    table's entries were checked against the plan (``tiling.check_block_table_values``) since
-    they last changed, and ``dscale`` is :func:`dscale_of` of the q and k descales and the
-    plan's softmax scale (``v_descale`` v's descale as an fp32 value).
+    Checked here: ``plan`` is the one ``tiling.bind`` made of its metadata for tensors of q, k,
+    v and ``block_table``'s geometry (so the op call that bound it checked these shapes and
+    strides), the descales (the op's ranges, ``tiling.check_scale_floats``), and ``out``. The
+    caller vouches for what only the table's values say: they were checked against the plan
+    (``tiling.check_block_table_values``) since they last changed.
 
     ``out``: contiguous, q's shape, on the CPU; bf16 (the op's out), or with ``rotate_c`` (the
-    rotation's normalisation) fp32 / bf16 / fp16 holding :class:`RotatedOutput`'s rows. Every
-    row of ``out`` is written (rows no sequence owns as 0); no LSE."""
+    rotation's normalisation, > 0) fp32 / bf16 / fp16 holding :class:`RotatedOutput`'s rows.
+    Every row of ``out`` is written (rows no sequence owns as 0); no LSE."""
     if not available():
         raise RuntimeError("the native CPU attention kernel is not available (see qfa.attention.backends.cpu_kernel.available)")
     if plan.meta.quant_mode != QuantMode.HIF8_PER_TENSOR or plan.return_lse:
@@ -504,20 +504,21 @@ def run_bound(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if any(t.dtype != torch.uint8 or not t.is_cpu for t in (q, k, v)):
         raise ValueError(f"q, k and v must be uint8 HiF8 codes on the CPU, got {q.dtype} / {k.dtype} / {v.dtype} on "
                          f"{q.device} / {k.device} / {v.device}")
-    if not is_bound(plan, q, k, v, block_table):
-        raise ValueError("q, k, v and block_table must have the geometry the plan was bound for (an op call with "
-                         "this metadata on tensors like them binds it)")
+    differs = bound_mismatch(plan, q, k, v, block_table)
+    if differs is not None:
+        raise ValueError(f"{differs} must have the geometry the plan was bound for (an op call with this metadata on "
+                         f"tensors like these binds it)")
+    if not (rotate_c == 0 or 0 < rotate_c < math.inf):
+        raise ValueError(f"rotate_c must be 0 (no rotation) or the rotation's positive normalisation, got {rotate_c}")
     dtypes = ROTATED_DTYPES if rotate_c else (torch.bfloat16,)
     if out.dtype not in dtypes or out.shape != q.shape or not out.is_contiguous() or not out.is_cpu:
         raise ValueError(f"out must be a contiguous CPU tensor of q's shape {tuple(q.shape)} in "
                          f"{' / '.join(str(d) for d in dtypes)}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if rotate_c and plan.head_dim != ROTATION_DIM:
         raise ValueError(f"the rotated output needs head dim {ROTATION_DIM}, got {plan.head_dim}")
-    for name, value in (("dscale", dscale), ("v_descale", v_descale)):
-        if not 0 < value < math.inf:
-            raise ValueError(f"{name} must be positive and finite, got {value}")
-    _launch(plan, q, k, v, out, plan.out_strides, _NO_LSE, (0, 0, 0), dscale, 0.0, v_descale,
-            _table_of(plan, block_table), bf16_dot(), True, rotate_c)
+    check_scale_floats(plan, q_descale, k_descale, v_descale)
+    _launch(plan, q, k, v, out, plan.out_strides, _NO_LSE, (0, 0, 0), dscale_of(q_descale, k_descale, plan.softmax_scale),
+            0.0, v_descale, _table_of(plan, block_table), bf16_dot(), True, rotate_c)
 
 
 # ---- quant_modes 1 (MXFP8) and 6 (FP8 per-token-head) -------------------------------------------

@@ -332,10 +332,11 @@ def encode_flat(x: torch.Tensor, inf_mode: bool = False, isa: int | None = None)
 
 def _token_args(x: torch.Tensor, mean: torch.Tensor | None) -> tuple:
     """The C arguments of token rows ``x`` (T, N, 128) and their K means (fp32 (N, 128))."""
-    if x.dim() != 3 or x.shape[-1] != 128 or x.dtype not in DTYPE_CODES or (x.numel() and x.stride(-1) != 1):
-        raise ValueError(f"token rows must be float (tokens, heads, 128) with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")
-    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous()
+    if x.dim() != 3 or x.shape[-1] != 128 or x.dtype not in DTYPE_CODES or (x.numel() and x.stride(-1) != 1) or \
+            not x.is_cpu:
+        raise ValueError(f"token rows must be float (tokens, heads, 128) with contiguous rows on the CPU, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
+    if mean is not None and (mean.dtype != torch.float32 or not mean.is_contiguous() or not mean.is_cpu
                              or tuple(mean.shape) != (x.shape[1], 128)):
         raise ValueError(f"mean must be a contiguous fp32 (heads, 128) = {(x.shape[1], 128)} tensor, got "
                          f"{mean.dtype} {tuple(mean.shape)}")
@@ -368,16 +369,16 @@ class SlotRefused(NamedTuple):
 
 def _check_cache(cache: torch.Tensor, heads: int, name: str = "cache") -> None:
     if cache.dtype != torch.uint8 or cache.dim() != 4 or tuple(cache.shape[1::2]) != (heads, 128) or \
-            (cache.numel() and cache.stride(-1) != 1):
-        raise ValueError(f"{name} must be uint8 (blocks, {heads}, block_size, 128) with contiguous rows, got "
-                         f"{cache.dtype} {tuple(cache.shape)} strides {cache.stride()}")
+            (cache.numel() and cache.stride(-1) != 1) or not cache.is_cpu:
+        raise ValueError(f"{name} must be uint8 (blocks, {heads}, block_size, 128) with contiguous rows on the CPU, "
+                         f"got {cache.dtype} {tuple(cache.shape)} strides {cache.stride()} on {cache.device}")
 
 
 def _check_slots(slots: torch.Tensor, tokens: int) -> None:
     if slots.dtype not in (torch.int32, torch.int64) or tuple(slots.shape) != (tokens,) or \
-            (slots.numel() and slots.stride(0) != 1):
-        raise ValueError(f"slots must be a contiguous int32 / int64 ({tokens},) tensor, got {slots.dtype} "
-                         f"{tuple(slots.shape)}")
+            (slots.numel() and slots.stride(0) != 1) or not slots.is_cpu:
+        raise ValueError(f"slots must be a contiguous int32 / int64 ({tokens},) CPU tensor, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")
 
 
 def _slot_result(result: int, bad: ctypes.c_int64, sat: ctypes.c_int64, what: str) -> int | SlotRefused:
@@ -422,7 +423,8 @@ def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     if v.dtype != k.dtype or v.shape != k.shape:
         raise ValueError(f"v must be k's dtype and shape {k.dtype} {tuple(k.shape)}, got {v.dtype} {tuple(v.shape)}")
     _check_cache(k_cache, k.shape[1], "k_cache")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != torch.uint8:
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != torch.uint8 or \
+            not v_cache.is_cpu:
         raise ValueError(f"v_cache must be uint8 of k_cache's shape {tuple(k_cache.shape)} and strides "
                          f"{k_cache.stride()}, got {v_cache.dtype} {tuple(v_cache.shape)} {v_cache.stride()}")
     _check_slots(slots, k.shape[0])

@@ -32,6 +32,7 @@ profiling run: the backend then writes nothing and fixes no state.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -48,8 +49,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from qfa.tiling.attention import bind
-from qfa.attention.backends import cpu_kernel
+from qfa.backends import resolve
+from qfa.tiling.attention import bound_plan
+from qfa.attention.backends import cpu_kernel, cpu_prepare
 from qfa.dropin import calibration as cal
 from qfa.attention.op import quant_flash_attn, quant_flash_attn_metadata
 from qfa.dropin.prepare import ROTATION_C, StaticEncoding, restore_output
@@ -114,21 +116,38 @@ class QfaMetadata:
     block_table: torch.Tensor  # int32 (B, max blocks)
     slot_mapping: torch.Tensor
     plan: object
-    #: the plans an op call of this step has checked, by what they depend on beyond the step
-    #: (query count, cache layout, softmax scale), with the block table's version then
+    #: the plans the op checked in this step, by what they depend on beyond the step (query
+    #: count, cache layout, softmax scale), each with the block table and its version then
     bound: dict = field(default_factory=dict, repr=False)
 
     def bound_plan(self, codes: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float):
-        """The plan an op call of this step checked for a layer like this one, or None."""
-        entry = self.bound.get((codes.shape, k_cache.shape, k_cache.stride(), softmax_scale))
-        return entry[0] if entry is not None and entry[1] == self.block_table._version else None
+        """The plan the op checked in this step for a layer like this one, or None (none yet, or
+        the block table changed since)."""
+        entry = self.bound.get(_plan_key(codes, k_cache, softmax_scale))
+        if entry is None or entry[1] is not self.block_table or entry[2] != self.block_table._version:
+            return None
+        return entry[0]
 
     def keep_plan(self, codes: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   softmax_scale: float) -> None:
-        """Keeps the plan the op call just made on these tensors checked (from the op's own cache)."""
-        plan = bind(self.plan, codes, k_cache, v_cache, softmax_scale=softmax_scale,
-                           block_table=self.block_table)
-        self.bound[(codes.shape, k_cache.shape, k_cache.stride(), softmax_scale)] = (plan, self.block_table._version)
+        """Keeps the plan the op call just checked on these tensors (from the op's plan cache)."""
+        plan = bound_plan(self.plan, codes, k_cache, v_cache, softmax_scale=softmax_scale,
+                          block_table=self.block_table)
+        if plan is not None:
+            self.bound[_plan_key(codes, k_cache, softmax_scale)] = (plan, self.block_table,
+                                                                   self.block_table._version)
+
+
+def _plan_key(codes: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float) -> tuple:
+    return codes.shape, k_cache.shape, k_cache.stride(), softmax_scale
+
+
+def runs_native(device: torch.device) -> bool:
+    """Whether the op runs the backend's calls on the native kernel and the output's rotation on
+    the native pass (the kernel's epilogue computes the same bits): then a step's later layers
+    run the plan its first layer's op call checked."""
+    return device.type == "cpu" and resolve(device) != "triton" and cpu_kernel.available() and \
+        cpu_prepare.available()
 
 
 class QfaMetadataBuilder(AttentionMetadataBuilder[QfaMetadata]):
@@ -153,10 +172,14 @@ def make_metadata(common: CommonAttentionMetadata, num_heads: int, num_kv_heads:
     (its lengths read on the host once, here, for every layer of the step)."""
     cu = common.query_start_loc_cpu.to(torch.int32)
     seqused = common.seq_lens.to(torch.int32)
+    # a copy: vLLM writes its persistent table in place (through numpy, which no version counter
+    # sees), and the step's plans are checked against this table's values. A normal tensor, also
+    # in vLLM's inference mode: an inference tensor has no version counter to show a write.
+    with torch.inference_mode(False):
+        table = common.block_table_tensor.to(torch.int32, copy=True)
     plan = quant_flash_attn_metadata(num_heads, num_kv_heads, layout_q="TND", layout_kv="PA_BNBD", layout_out="TND",
                                      cu_seqlens_q=cu, seqused_kv=seqused, mask_mode=MaskMode.CAUSAL)
-    return QfaMetadata(common.num_actual_tokens, cu, seqused, common.block_table_tensor.to(torch.int32),
-                       common.slot_mapping, plan)
+    return QfaMetadata(common.num_actual_tokens, cu, seqused, table, common.slot_mapping, plan)
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +243,7 @@ class QfaHiF8Impl(AttentionImpl):
         self._calibration = calibration_file.load_optional(self.options.calibration_file)
         self._warned_saturation = 0
         self._queries: tuple = (None, None, None)  # (the query scale, rotate, its StaticEncoding)
-        self._views: tuple = (None, None, None)  # (the cache tensor, its storage and layout, its views)
+        self._views: tuple = (None, None, None)  # (a weak reference to the cache, its layout, its views)
 
     # ------------------------------------------------------------------ the layer's state
 
@@ -303,7 +326,8 @@ class QfaHiF8Impl(AttentionImpl):
         queries = self._query_encoding(state, q_scale)
         codes = queries.encode(q)[0]
         k_cache, v_cache = self._cache_views(kv_cache)
-        plan = attn_metadata.bound_plan(codes, k_cache, self.scale) if cpu_kernel.available() else None
+        native = runs_native(q.device)
+        plan = attn_metadata.bound_plan(codes, k_cache, self.scale) if native else None
         if plan is not None:
             self._run_bound(plan, attn_metadata, codes, k_cache, v_cache, queries, state, out)
         else:
@@ -317,7 +341,7 @@ class QfaHiF8Impl(AttentionImpl):
                 out.copy_(o)
             elif restore_output(o, out.dtype, into=out) is None:  # no native pass here: the torch rotation
                 out.copy_(state.transform.rotated(o))
-            if cpu_kernel.available():  # the op ran the native kernel: later layers run its plan
+            if native:  # the op ran the native kernel: later layers run its plan
                 attn_metadata.keep_plan(codes, k_cache, v_cache, self.scale)
         if fixes_q_scale:  # kept once the call has succeeded
             self.q_scale = q_scale
@@ -325,25 +349,31 @@ class QfaHiF8Impl(AttentionImpl):
 
     def _run_bound(self, plan, metadata: QfaMetadata, codes: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, queries: StaticEncoding, state: LayerState, out: torch.Tensor) -> None:
-        """The op's numbers on a plan an op call of this step checked: the kernel writes the
+        """The op's numbers on a plan the op checked in this step: the kernel writes the
         rotated-back rows into ``out`` in its dtype (or bf16 rows, copied, without the rotation)."""
-        dscale = cpu_kernel.dscale_of(queries.value, state.keys.value, plan.softmax_scale)
         rotate = state.transform.rotate
         target = out if rotate or out.dtype == torch.bfloat16 else torch.empty_like(out, dtype=torch.bfloat16)
-        cpu_kernel.run_bound(plan, codes, k_cache, v_cache, target, dscale=dscale, v_descale=state.values.value,
+        cpu_kernel.run_bound(plan, codes, k_cache, v_cache, target, q_descale=queries.value,
+                             k_descale=state.keys.value, v_descale=state.values.value,
                              block_table=metadata.block_table, rotate_c=ROTATION_C if rotate else 0.0)
         if target is not out:
             out.copy_(target)
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`cache_views` of the layer's cache, kept while it is the same tensor, storage
-        and layout (vLLM passes the same one every step)."""
+        """:func:`cache_views` of the layer's cache, kept while it is the same tensor with the
+        same storage, layout and dtype (vLLM passes the same one every step), and dropped with
+        the tensor (the views would keep its storage alive)."""
         kept = self._views
-        if kept[0] is kv_cache and kept[1] == (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride()):
+        layout = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        if kept[0] is not None and kept[0]() is kv_cache and kept[1] == layout:
             return kept[2]
         views = cache_views(kv_cache)
-        self._views = (kv_cache, (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride()), views)
+        self._views = (weakref.ref(kv_cache, self._drop_views), layout, views)
         return views
+
+    def _drop_views(self, gone: weakref.ref) -> None:
+        if self._views[0] is gone:
+            self._views = (None, None, None)
 
     def _query_encoding(self, state: LayerState, q_scale: torch.Tensor) -> StaticEncoding:
         """The queries' encoding with ``q_scale``, kept while the scale is the layer's."""

@@ -91,8 +91,8 @@ class LayerState:
 
     def __post_init__(self) -> None:
         # checked once, here: each write and encode then checks only its tokens
-        self.keys = StaticEncoding(self.k_scale, mean=self.k_mean, rotate=self.transform.rotate)
-        self.values = StaticEncoding(self.v_scale, rotate=self.transform.rotate)
+        self.keys = StaticEncoding(self.k_scale, mean=self.k_mean, rotate=self.transform.rotate, name="k_scale")
+        self.values = StaticEncoding(self.v_scale, rotate=self.transform.rotate, name="v_scale")
         self.k_scale, self.v_scale = self.keys.scale, self.values.scale
 
     def prepare_queries(self, q: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ class LayerState:
     def query_encoding(self, scale: torch.Tensor) -> StaticEncoding:
         """How queries (T, Nq, 128) are encoded with the query scale ``scale``: rotated as this
         layer's keys, scaled, saturating."""
-        return StaticEncoding(scale, rotate=self.transform.rotate)
+        return StaticEncoding(scale, rotate=self.transform.rotate, name="q_scale")
 
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor) -> int:
