@@ -197,6 +197,15 @@ def run_layer_tokens(impl, cache, batch: Batch, dtype, seed: int) -> torch.Tenso
     return random_tokens(sum(n for _, n in batch.shapes), NQ, dtype, seed + 2)
 
 
+def one_layer(dtype, seed: int):
+    """A layer (its impl and cache) with the MIXED batch's tokens written: ``(batch, config, impl,
+    cache, q)``, q the step's queries."""
+    batch, config = Batch(MIXED), vllm_config()
+    impl = make_impl(config)
+    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
+    return batch, config, impl, cache, run_layer_tokens(impl, cache, batch, dtype, seed=seed)
+
+
 def forward_step(impl, cache, batch: Batch, q, dtype, config, metadata=None) -> torch.Tensor:
     """The layer's forward on ``metadata`` (a step of its own when None)."""
     metadata = metadata or qb.make_metadata(batch.common(), NQ, NKV)
@@ -212,11 +221,7 @@ def test_a_block_table_changed_after_the_first_layer_is_checked_again():
     output untouched."""
     if not cpu_kernel.available():
         pytest.skip("the native CPU kernel is not built here")
-    batch = Batch(MIXED)
-    config = vllm_config()
-    impl = make_impl(config)
-    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
-    q = run_layer_tokens(impl, cache, batch, torch.float32, seed=3)
+    batch, config, impl, cache, q = one_layer(torch.float32, seed=3)
     metadata = qb.make_metadata(batch.common(), NQ, NKV)
     forward_step(impl, cache, batch, q, torch.float32, config, metadata)
     metadata.block_table[0, 0] = batch.num_blocks + 5
@@ -230,11 +235,7 @@ def test_a_block_table_changed_after_the_first_layer_is_checked_again():
 def test_vllms_own_writes_to_its_table_do_not_reach_a_built_step():
     """vLLM writes its persistent block table in place through numpy (no version counter sees
     that): the step's metadata holds a copy, so later layers read the table the op checked."""
-    batch = Batch(MIXED)
-    config = vllm_config()
-    impl = make_impl(config)
-    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
-    q = run_layer_tokens(impl, cache, batch, torch.float32, seed=6)
+    batch, config, impl, cache, q = one_layer(torch.float32, seed=6)
     want = forward_step(impl, cache, batch, q, torch.float32, config)
     metadata = qb.make_metadata(batch.common(), NQ, NKV)
     forward_step(impl, cache, batch, q, torch.float32, config, metadata)
@@ -247,11 +248,7 @@ def test_a_step_given_another_table_checks_it_again():
         pytest.skip("the native CPU kernel is not built here")
     import dataclasses
 
-    batch = Batch(MIXED)
-    config = vllm_config()
-    impl = make_impl(config)
-    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
-    q = run_layer_tokens(impl, cache, batch, torch.float32, seed=7)
+    batch, config, impl, cache, q = one_layer(torch.float32, seed=7)
     metadata = qb.make_metadata(batch.common(), NQ, NKV)
     forward_step(impl, cache, batch, q, torch.float32, config, metadata)
     rows = metadata.block_table.tolist()
@@ -269,11 +266,7 @@ def test_a_step_in_inference_mode_runs_its_later_layers_on_the_kept_plan(monkeyp
     with the op's bits."""
     if not cpu_kernel.available():
         pytest.skip("the native CPU kernel is not built here")
-    batch = Batch(MIXED)
-    config = vllm_config()
-    impl = make_impl(config)
-    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
-    q = run_layer_tokens(impl, cache, batch, torch.bfloat16, seed=8)
+    batch, config, impl, cache, q = one_layer(torch.bfloat16, seed=8)
     want = forward_step(impl, cache, batch, q, torch.bfloat16, config)
     runs = []
     real = cpu_kernel.run_bound
@@ -290,11 +283,7 @@ def test_a_step_in_inference_mode_runs_its_later_layers_on_the_kept_plan(monkeyp
 def test_a_cache_tensor_given_anew_is_the_one_read():
     """The layer keeps its cache's views while vLLM passes the same tensor; another tensor (a
     reallocated cache), or the same one on new storage, is read, not the kept views."""
-    batch = Batch(MIXED)
-    config = vllm_config()
-    impl = make_impl(config)
-    cache = torch.zeros(batch.num_blocks, NKV, BLOCK, 2 * D, dtype=torch.uint8)
-    q = run_layer_tokens(impl, cache, batch, torch.bfloat16, seed=4)
+    batch, config, impl, cache, q = one_layer(torch.bfloat16, seed=4)
     want = forward_step(impl, cache, batch, q, torch.bfloat16, config)
     moved = cache.clone()
     cache.zero_()
