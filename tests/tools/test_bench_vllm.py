@@ -210,11 +210,53 @@ def test_speed_table_ratios_against_bf16_and_the_decode_verdict():
                        "batch 8: 0.75x)"]
 
 
+def test_round_order_reverses_every_other_round_so_mean_positions_match():
+    engines = ["bf16", "fp8", "hif8"]
+    assert bv.round_order(engines, 0) == engines and bv.round_order(engines, 2) == engines
+    assert bv.round_order(engines, 1) == ["hif8", "fp8", "bf16"]
+    positions = {e: sum(bv.round_order(engines, r).index(e) for r in range(2)) for e in engines}
+    assert len(set(positions.values())) == 1
+    with pytest.raises(ValueError, match="index must be >= 0, got -1"):
+        bv.round_order(engines, -1)
+
+
+def _speed_row(ctx, batch, *runs):
+    """A speed row as ``_speed`` returns it: ``runs`` are (prefill s, decode tok/s, throughput tok/s)."""
+    rates = [{"prefill_s": p, "decode_tok_s": d, "throughput_tok_s": t, "tokens": 8} for p, d, t in runs]
+    return {"context": ctx, "batch": batch, "prefill_s": rates[0]["prefill_s"],
+            "decode_tok_s": max(r["decode_tok_s"] for r in rates), "throughput_tok_s": rates[0]["throughput_tok_s"],
+            "cached_tokens_first_run": 0, "runs": rates}
+
+
+def test_merge_rounds_keeps_every_run_and_takes_the_best_decode_and_the_first_prefill():
+    first = [_speed_row(1024, 1, (9.0, 1.0, 0.5)), _speed_row(1024, 8, (2.0, 6.0, 3.0), (1.5, 6.5, 3.2))]
+    second = [_speed_row(1024, 1, (1.0, 1.4, 0.9)), _speed_row(1024, 8, (1.0, 5.0, 2.5), (1.1, 5.5, 2.6))]
+    merged = bv.merge_rounds([first, second])
+    assert [m["decode_tok_s"] for m in merged] == [1.4, 6.5]
+    assert [m["prefill_s"] for m in merged] == [9.0, 2.0] and [m["throughput_tok_s"] for m in merged] == [0.5, 3.0]
+    assert [[r["decode_tok_s"] for r in m["runs"]] for m in merged] == [[1.0, 1.4], [6.0, 6.5, 5.0, 5.5]]
+    assert first[0]["runs"] == [{"prefill_s": 9.0, "decode_tok_s": 1.0, "throughput_tok_s": 0.5, "tokens": 8}]
+    assert bv.merge_rounds([first]) == first
+    with pytest.raises(ValueError, match="round 1 timed other rows than round 0"):
+        bv.merge_rounds([first, second[:1]])
+    with pytest.raises(ValueError, match="at least one round"):
+        bv.merge_rounds([])
+
+
+def test_runs_table_lists_each_run_in_order():
+    speed = {"bf16": [_speed_row(4096, 1, (3.0, 1.25, 0.5), (2.0, 1.5, 0.6))],
+             "hif8": [_speed_row(4096, 1, (2.5, 1.75, 0.7), (1.0, 1.5, 0.6))]}
+    assert _table_rows(bv.runs_table(speed)) == [
+        ["4096", "1", "bf16 cache (CPU_ATTN)", "1.25, 1.50", "3.0, 2.0"],
+        ["4096", "1", "HiF8, calibration file (qfa)", "1.75, 1.50", "2.5, 1.0"]]
+
+
 def test_arguments_are_checked():
     parser = argparse.ArgumentParser()
     bv.add_arguments(parser)
     args = parser.parse_args(["--engines", "hif8,bf16", "--tokens", "8,16"])
     assert args.engines == ["bf16", "hif8"] and args.tokens == [8, 16]
+    assert (args.rounds, args.repeats) == (bv.ROUNDS, bv.REPEATS)
     for bad in (["--engines", "hif8"], ["--engines", "bf16,nope"], ["--tokens", "0"], ["--batches", "x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
@@ -278,7 +320,7 @@ def test_the_command_runs_every_engine_on_a_tiny_model(tiny_model, tmp_path, cap
     args = parser.parse_args(["--model", str(model_dir), "--tokenizer", str(tok_dir), "--texts", ",".join(texts[:2]),
                               "--calibration-text", texts[2], "--calibration-tokens", "48", "--tokens", "32,64",
                               "--contexts", "48", "--batches", "1,2", "--tail", "8", "--decode-tokens", "3",
-                              "--repeats", "1", "--kv-space", "1", "--max-batched-tokens", "64",
+                              "--repeats", "1", "--rounds", "2", "--kv-space", "1", "--max-batched-tokens", "64",
                               "--work-dir", str(tmp_path / "work"), "--output", str(out), "--no-progress"])
     assert bv.run(args) == 0
     report = out.read_text()
@@ -307,10 +349,19 @@ def test_the_command_runs_every_engine_on_a_tiny_model(tiny_model, tmp_path, cap
     if not no_fp8:  # the calculated scales reached CPU_ATTN: the same engine scores differently after they are set
         assert any(ppl[(t, n, bv.CONFIGS["fp8"][0])] != ppl[(t, n, bv.CONFIGS["fp8-calc"][0])] for t, n, _ in ppl)
         assert "fp8_e4m3 calculated scales: k " in report
-    speed = _table_rows("\n".join(l for l in sections["Speed"].splitlines() if l.startswith("|")))
-    assert sorted((r[1], r[2]) for r in speed) == sorted(
-        (str(b), bv.CONFIGS[e][0]) for b in (1, 2) for e in bv.SPEED_ENGINES if not (no_fp8 and e == "fp8"))
+    best, each = sections["Speed"].split("Each timed run")
+    speed = _table_rows("\n".join(l for l in best.splitlines() if l.startswith("|")))
+    timed = sorted((str(b), bv.CONFIGS[e][0]) for b in (1, 2) for e in bv.SPEED_ENGINES if not (no_fp8 and e == "fp8"))
+    assert sorted((r[1], r[2]) for r in speed) == timed
     assert all(float(r[4]) > 0 and float(r[6]) > 0 for r in speed)
+    runs = _table_rows("\n".join(l for l in each.splitlines() if l.startswith("|")))
+    assert sorted((r[1], r[2]) for r in runs) == timed
+    decode = {(r[1], r[2]): r[3].split(", ") for r in runs}
+    assert all(len(v) == 2 for v in decode.values())  # two rounds of one run each
+    for r in speed:  # the table's decode is the best of every run
+        assert r[4] == max(decode[(r[1], r[2])], key=float)
+    later = sorted(p.name for p in (tmp_path / "work").glob("*.round1.result.json"))
+    assert later == sorted(f"{e}.round1.result.json" for e in bv.SPEED_ENGINES if not (no_fp8 and e == "fp8"))
 
 
 def test_cpu_line_names_the_model_and_the_kernel_flags():

@@ -21,8 +21,8 @@ its GGUF to a safetensors folder, :func:`safetensors_folder`) and measures, with
   (per layer, ``amax(K) / 200`` and ``amax(V) / 100``, vLLM's former ``K_SCALE_CONSTANT`` and
   ``V_SCALE_CONSTANT``) from the same calibration text, through a hook on the attention layers.
 * **Speed**: decode tokens/s (the tokens generated after every request of the batch has its
-  first token, over the time that took; best of ``--repeats``) and offline throughput (all
-  generated tokens over the wall time of the run, prefill included, first repeat) at each
+  first token, over the time that took; the best of every timed run) and offline throughput (all
+  generated tokens over the wall time of the run, prefill included, first run) at each
   context and batch size, with CPU_ATTN's bf16 and fp8_e4m3 caches and with HiF8. The prefix
   cache is reset before each context's batch-1 run, so that run prefills its whole prompt; the
   batch-N prompts share that prompt's prefix and differ in their last ``--tail`` tokens, so
@@ -30,7 +30,11 @@ its GGUF to a safetensors folder, :func:`safetensors_folder`) and measures, with
   a small CPU). Greedy, ``ignore_eos``, ``--decode-tokens`` per request.
 
 Every engine runs in its own process (``python -m qfa.tools.bench.vllm --worker SPEC``: vLLM
-keeps process-wide state, and a fresh process returns all of an engine's memory), with vLLM's
+keeps process-wide state, and a fresh process returns all of an engine's memory). The speed
+engines run in ``--rounds`` turns: the first round measures everything, each later one starts
+every speed engine again for its timed runs only, in the reverse order of the round before
+(:func:`round_order`), so that a drift in the machine's speed falls on every engine alike rather
+than on whichever ran last. Each engine runs with vLLM's
 engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``enforce_eager`` and the
 model in bf16, the same for every cache. The header names the CPU, its ISA flags, vLLM's native
 build and CPU_ATTN's kernel, and the machine's load average before and after: on a shared
@@ -62,7 +66,10 @@ BATCHES = (1, 8)
 DECODE_TOKENS = 32
 #: The batch-N prompts' distinct last tokens (the rest is the batch-1 prompt's prefix).
 TAIL_TOKENS = 16
-REPEATS = 2
+#: Timed runs of each speed row in one engine process.
+REPEATS = 1
+#: Processes per speed engine, run in turns (:func:`round_order`).
+ROUNDS = 2
 #: vLLM's largest ``prompt_logprobs`` (its ``max_logprobs`` default): the KL's support.
 TOP_K = 20
 KV_SPACE_GIB = 2
@@ -291,6 +298,32 @@ def speed_prompts(token_ids: Sequence[int], context: int, batch: int, tail: int 
     return [prefix + list(token_ids[context - tail + i * tail:context + i * tail]) for i in range(batch)]
 
 
+def round_order(engines: Sequence[str], index: int) -> list[str]:
+    """The order the speed engines run in round ``index`` (from 0): as given in even rounds,
+    reversed in odd ones. Over two rounds every engine's mean position is the same, so a steady
+    drift in the machine's speed moves every engine's best run alike."""
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    return list(engines) if index % 2 == 0 else list(reversed(engines))
+
+
+def merge_rounds(rounds: Sequence[Sequence[Mapping]]) -> list[dict]:
+    """One engine's speed rows from each of its rounds (the same rows in the same order) as one
+    list: every timed run kept, in the order it ran; decode tok/s the best of them all; prefill
+    and throughput from the first round's first run, the only one that prefills a cold prompt."""
+    if not rounds:
+        raise ValueError("rounds must hold at least one round's rows, got none")
+    first = rounds[0]
+    for i, rows in enumerate(rounds[1:], start=1):
+        if [(r["context"], r["batch"]) for r in rows] != [(r["context"], r["batch"]) for r in first]:
+            raise ValueError(f"round {i} timed other rows than round 0")
+    merged = []
+    for at, row in enumerate(first):
+        runs = [run for rows in rounds for run in rows[at]["runs"]]
+        merged.append(dict(row, runs=runs, decode_tok_s=max(run["decode_tok_s"] for run in runs)))
+    return merged
+
+
 # ----------------------------------------------------------------------------- tables
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -415,6 +448,19 @@ def speed_table(speed: Mapping[str, Sequence[Mapping]]) -> tuple[str, list[str]]
     table = markdown_table(["context", "batch", "cache", "prefill s (first run)", "decode tok/s", "vs bf16",
                             "throughput tok/s", "vs bf16"], rows)
     return table, verdict
+
+
+def runs_table(speed: Mapping[str, Sequence[Mapping]]) -> str:
+    """Every timed run of each speed row, in the order each engine ran them (rounds in turn):
+    how far one configuration's runs spread beside how far the configurations differ."""
+    rows = []
+    for engine, per_row in speed.items():
+        for r in per_row:
+            rows.append([r["context"], r["batch"], CONFIGS[engine][0],
+                         ", ".join(f"{run['decode_tok_s']:.2f}" for run in r["runs"]),
+                         ", ".join(f"{run['prefill_s']:.1f}" for run in r["runs"])])
+    rows.sort(key=lambda row: (row[0], row[1]))
+    return markdown_table(["context", "batch", "cache", "decode tok/s, each run", "prefill s, each run"], rows)
 
 
 # ----------------------------------------------------------------------------- one engine (its own process)
@@ -576,9 +622,11 @@ def worker(spec: dict) -> dict:
               "layers": llm.apply_model(_describe_layers)[0], "rows": {}}
     if spec.get("speed"):
         result["speed"] = _speed(llm, spec["speed"])
-    acc = spec["accuracy"]
-    config = "fp8" if engine == "fp8" else engine
-    result["rows"][config] = {text: _score(llm, ids, acc["top_k"]) for text, ids in acc["prompts"].items()}
+    acc = spec.get("accuracy")
+    if acc is None:  # a later round: its timed runs only
+        result["seconds"] = time.perf_counter() - start
+        return result
+    result["rows"][engine] = {text: _score(llm, ids, acc["top_k"]) for text, ids in acc["prompts"].items()}
     if engine == "fp8" and acc.get("calibration_prompt"):
         llm.apply_model(_install_amax_hooks)
         from vllm import SamplingParams
@@ -636,7 +684,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=_ints, default=list(BATCHES), help="speed batch sizes (default 1,8)")
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="tokens generated per request")
     parser.add_argument("--tail", type=int, default=TAIL_TOKENS, help="distinct last tokens of the batch prompts")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per speed row (decode: the best)")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"timed runs of each speed row in one engine process (default {REPEATS})")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"processes per speed engine, run in turns, each later round in the reverse order of "
+                             f"the one before; decode tok/s is the best of rounds x repeats runs (default {ROUNDS})")
     parser.add_argument("--kv-space", type=int, default=KV_SPACE_GIB, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     parser.add_argument("--max-batched-tokens", type=int, default=MAX_BATCHED_TOKENS)
     parser.add_argument("--engines", type=_engines, default=list(ENGINES),
@@ -657,8 +709,8 @@ def _tokenize(tokenizer, path: str, n: int, what: str) -> list[int]:
     return list(ids)
 
 
-def _run_engine(spec: dict, work: Path, kv_space: int) -> dict:
-    name = spec["engine"]
+def _run_engine(spec: dict, work: Path, kv_space: int, round_index: int = 0) -> dict:
+    name = spec["engine"] + (f".round{round_index}" if round_index else "")
     spec_path, result_path, log_path = (work / f"{name}.spec.json", work / f"{name}.result.json",
                                         work / f"{name}.log")
     spec_path.write_text(json.dumps(spec))
@@ -721,7 +773,7 @@ def run(args: argparse.Namespace) -> int:
 
     began = time.time()
     load_before = os.getloadavg()
-    for name, value in (("--decode-tokens", args.decode_tokens), ("--repeats", args.repeats),
+    for name, value in (("--decode-tokens", args.decode_tokens), ("--repeats", args.repeats), ("--rounds", args.rounds),
                         ("--kv-space", args.kv_space), ("--calibration-tokens", args.calibration_tokens)):
         if value < 1:
             print(f"qfa bench vllm: {name} must be >= 1, got {value}", file=sys.stderr)
@@ -757,24 +809,34 @@ def run(args: argparse.Namespace) -> int:
     for engine, why in skipped.items():
         print(f"qfa bench vllm: skipping engine {engine!r}: {why}", file=sys.stderr)
     engines = [e for e in args.engines if e not in skipped]
-    steps = (["calibrate"] if "hif8" in engines else []) + engines
+    timed = [e for e in engines if ENGINES[e]]
+    # round 0 measures everything; each later round starts the speed engines again, in turns
+    steps = ([("calibrate", 0)] if "hif8" in engines else []) + [(e, 0) for e in engines] + [
+        (e, r) for r in range(1, args.rounds) for e in round_order(timed, r)]
     results: dict[str, dict] = {}
+    later: dict[str, list] = {e: [] for e in timed}
     bar = tqdm(steps, desc="bench vllm", unit="engine", disable=args.no_progress, file=sys.stderr)
     try:
-        for step in bar:
-            bar.set_postfix_str(step)
+        for step, round_index in bar:
+            bar.set_postfix_str(step if round_index == 0 else f"{step}, round {round_index + 1}")
             if step == "calibrate":
                 _calibrate(model, tok_folder, args.calibration_text, args.calibration_tokens, calibration, work)
                 continue
             spec = dict(base, engine=step, calibration=str(calibration) if step == "hif8" else None,
                         speed={"runs": runs, "decode_tokens": args.decode_tokens, "repeats": args.repeats}
                         if ENGINES[step] else None)
-            results[step] = _run_engine(spec, work, args.kv_space)
+            if round_index:
+                spec["accuracy"] = None
+                later[step].append(_run_engine(spec, work, args.kv_space, round_index)["speed"])
+            else:
+                results[step] = _run_engine(spec, work, args.kv_space)
     except RuntimeError as exc:
         print(f"qfa bench vllm: {exc}", file=sys.stderr)
         return 1
     finally:
         bar.close()
+    for engine in timed:
+        results[engine]["speed"] = merge_rounds([results[engine]["speed"], *later[engine]])
     (work / "results.json").write_text(json.dumps(results))
 
     rows = {}
@@ -786,7 +848,9 @@ def run(args: argparse.Namespace) -> int:
     capacity = capacity_table({e: r["capacity"] for e, r in results.items()})
     speed = None
     if any("speed" in r for r in results.values()):
-        speed = speed_table({e: r["speed"] for e, r in results.items() if "speed" in r})
+        timings = {e: r["speed"] for e, r in results.items() if "speed" in r}
+        table, verdict = speed_table(timings)
+        speed = (f"{table}\n\nEach timed run, in the order it ran:\n\n{runs_table(timings)}", verdict)
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     first = results[REFERENCE]
     layers = "; ".join(f"{e}: " + ", ".join(f"{n} x{c}" for n, c in r["layers"]["impl"].items())
@@ -831,7 +895,8 @@ def run(args: argparse.Namespace) -> int:
             f"whole prompt (its prefill column); the batch-{max(args.batches)} prompts share that prompt's first "
             f"context - {args.tail} tokens and differ in their last {args.tail}, with prefix caching on, so their "
             f"prefill is mostly served from the cache. Decode tok/s: tokens generated after every request has its "
-            f"first token over the time that took, best of {args.repeats} runs; throughput: all generated tokens "
+            f"first token over the time that took, best of {args.rounds * args.repeats} runs ({args.rounds} "
+            f"processes per engine, run in turns, each timing {args.repeats}); throughput: all generated tokens "
             f"over the first run's wall time, prefill included. Taken on a shared machine (load average above)."),
     }
     text = report(header, capacity, accuracy_table(cells), speed, notes)
