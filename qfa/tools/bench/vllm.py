@@ -310,7 +310,7 @@ def round_order(engines: Sequence[str], index: int) -> list[str]:
 def merge_rounds(rounds: Sequence[Sequence[Mapping]]) -> list[dict]:
     """One engine's speed rows from each of its rounds (the same rows in the same order) as one
     list: every timed run kept, in the order it ran; decode tok/s the best of them all; prefill
-    and throughput from the first round's first run, the only one that prefills a cold prompt."""
+    and throughput those of the first round's first run (every run's prefill stays in its runs)."""
     if not rounds:
         raise ValueError("rounds must hold at least one round's rows, got none")
     first = rounds[0]
