@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import math
 import random
+from dataclasses import asdict
 
 import pytest
 
@@ -120,6 +121,8 @@ def test_generation_rates_time_decode_after_every_request_started():
     assert r.decode_tok_s == pytest.approx((8 - 3) / (2.25 - 1.5))
     assert r.throughput_tok_s == pytest.approx(8 / 2.25)
     assert r.tokens == 8
+    assert r.step_tok_s == pytest.approx((8.0, 8.0, 4.0))  # each step after 1.5 s: its tokens over 0.25 s
+    assert bv.median_step([asdict(r)]) == pytest.approx(8.0)
     with pytest.raises(ValueError, match="all 3 requests"):
         bv.generation_rates(snaps, batch=3)
     with pytest.raises(ValueError, match="no token after its prefill"):
@@ -196,18 +199,21 @@ def test_accuracy_cells_from_rows_and_the_verdict():
 
 
 def test_speed_table_ratios_against_bf16_and_the_decode_verdict():
-    def run(ctx, batch, decode, thr):
-        return {"context": ctx, "batch": batch, "prefill_s": 1.0, "decode_tok_s": decode, "throughput_tok_s": thr}
+    def run(ctx, batch, decode, step, thr):
+        return {"context": ctx, "batch": batch, "prefill_s": 1.0, "decode_tok_s": decode, "median_step_tok_s": step,
+                "throughput_tok_s": thr}
 
-    speed = {"bf16": [run(4096, 1, 2.0, 0.5), run(4096, 8, 8.0, 4.0)],
-             "hif8": [run(4096, 1, 2.2, 0.4), run(4096, 8, 6.0, 4.0)]}
+    speed = {"bf16": [run(4096, 1, 2.0, 2.5, 0.5), run(4096, 8, 8.0, 10.0, 4.0)],
+             "hif8": [run(4096, 1, 2.2, 2.0, 0.4), run(4096, 8, 6.0, 12.0, 4.0)]}
     table, verdict = bv.speed_table(speed)
     rows = _table_rows(table)
-    assert [(r[1], r[2], r[5], r[7]) for r in rows] == [
-        ("1", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x"), ("1", "HiF8, calibration file (qfa)", "1.10x", "0.80x"),
-        ("8", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x"), ("8", "HiF8, calibration file (qfa)", "0.75x", "1.00x")]
-    assert verdict == ["decode target (HiF8 >= 1.0x CPU_ATTN bf16 at 4096 context): NOT met (batch 1: 1.10x, "
-                       "batch 8: 0.75x)"]
+    assert [(r[1], r[2], r[5], r[7], r[9]) for r in rows] == [
+        ("1", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x", "1.00x"),
+        ("1", "HiF8, calibration file (qfa)", "1.10x", "0.80x", "0.80x"),
+        ("8", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x", "1.00x"),
+        ("8", "HiF8, calibration file (qfa)", "0.75x", "1.20x", "1.00x")]
+    assert verdict == ["decode target (HiF8 >= 1.0x CPU_ATTN bf16 at 4096 context, median decode step): NOT met "
+                       "(batch 1: 0.80x, batch 8: 1.20x)"]
 
 
 def test_round_order_reverses_every_other_round_so_mean_positions_match():
@@ -221,21 +227,28 @@ def test_round_order_reverses_every_other_round_so_mean_positions_match():
 
 
 def _speed_row(ctx, batch, *runs):
-    """A speed row as ``_speed`` returns it: ``runs`` are (prefill s, decode tok/s, throughput tok/s)."""
-    rates = [{"prefill_s": p, "decode_tok_s": d, "throughput_tok_s": t, "tokens": 8} for p, d, t in runs]
+    """A speed row as ``_speed`` returns it: ``runs`` are (prefill s, decode tok/s, throughput tok/s,
+    decode steps' tok/s)."""
+    rates = [{"prefill_s": p, "decode_tok_s": d, "throughput_tok_s": t, "tokens": 8, "step_tok_s": steps}
+             for p, d, t, steps in runs]
     return {"context": ctx, "batch": batch, "prefill_s": rates[0]["prefill_s"],
-            "decode_tok_s": max(r["decode_tok_s"] for r in rates), "throughput_tok_s": rates[0]["throughput_tok_s"],
-            "cached_tokens_first_run": 0, "runs": rates}
+            "decode_tok_s": max(r["decode_tok_s"] for r in rates), "median_step_tok_s": bv.median_step(rates),
+            "throughput_tok_s": rates[0]["throughput_tok_s"], "cached_tokens_first_run": 0, "runs": rates}
 
 
 def test_merge_rounds_keeps_every_run_and_takes_the_best_decode_and_the_first_prefill():
-    first = [_speed_row(1024, 1, (9.0, 1.0, 0.5)), _speed_row(1024, 8, (2.0, 6.0, 3.0), (1.5, 6.5, 3.2))]
-    second = [_speed_row(1024, 1, (1.0, 1.4, 0.9)), _speed_row(1024, 8, (1.0, 5.0, 2.5), (1.1, 5.5, 2.6))]
+    first = [_speed_row(1024, 1, (9.0, 1.0, 0.5, (1.0, 1.2))),
+             _speed_row(1024, 8, (2.0, 6.0, 3.0, (6.0, 7.0)), (1.5, 6.5, 3.2, (6.5,)))]
+    second = [_speed_row(1024, 1, (1.0, 1.4, 0.9, (1.4, 1.1, 1.3))),
+              _speed_row(1024, 8, (1.0, 5.0, 2.5, (5.0, 2.0)), (1.1, 5.5, 2.6, (5.5,)))]
     merged = bv.merge_rounds([first, second])
     assert [m["decode_tok_s"] for m in merged] == [1.4, 6.5]
+    # the median over every step of every run: (1.0, 1.2, 1.4, 1.1, 1.3) and (6.0, 7.0, 6.5, 5.0, 2.0, 5.5)
+    assert [m["median_step_tok_s"] for m in merged] == [pytest.approx(1.2), pytest.approx(5.75)]
     assert [m["prefill_s"] for m in merged] == [9.0, 2.0] and [m["throughput_tok_s"] for m in merged] == [0.5, 3.0]
     assert [[r["decode_tok_s"] for r in m["runs"]] for m in merged] == [[1.0, 1.4], [6.0, 6.5, 5.0, 5.5]]
-    assert first[0]["runs"] == [{"prefill_s": 9.0, "decode_tok_s": 1.0, "throughput_tok_s": 0.5, "tokens": 8}]
+    assert first[0]["runs"] == [{"prefill_s": 9.0, "decode_tok_s": 1.0, "throughput_tok_s": 0.5, "tokens": 8,
+                                 "step_tok_s": (1.0, 1.2)}]
     assert bv.merge_rounds([first]) == first
     with pytest.raises(ValueError, match="round 1 timed other rows than round 0"):
         bv.merge_rounds([first, second[:1]])
@@ -244,11 +257,11 @@ def test_merge_rounds_keeps_every_run_and_takes_the_best_decode_and_the_first_pr
 
 
 def test_runs_table_lists_each_run_in_order():
-    speed = {"bf16": [_speed_row(4096, 1, (3.0, 1.25, 0.5), (2.0, 1.5, 0.6))],
-             "hif8": [_speed_row(4096, 1, (2.5, 1.75, 0.7), (1.0, 1.5, 0.6))]}
+    speed = {"bf16": [_speed_row(4096, 1, (3.0, 1.25, 0.5, (1.0, 2.0, 1.5)), (2.0, 1.5, 0.6, (1.5,)))],
+             "hif8": [_speed_row(4096, 1, (2.5, 1.75, 0.7, (1.75,)), (1.0, 1.5, 0.6, (1.0, 2.0)))]}
     assert _table_rows(bv.runs_table(speed)) == [
-        ["4096", "1", "bf16 cache (CPU_ATTN)", "1.25, 1.50", "3.0, 2.0"],
-        ["4096", "1", "HiF8, calibration file (qfa)", "1.75, 1.50", "2.5, 1.0"]]
+        ["4096", "1", "bf16 cache (CPU_ATTN)", "1.25, 1.50", "1.50, 1.50", "3.0, 2.0"],
+        ["4096", "1", "HiF8, calibration file (qfa)", "1.75, 1.50", "1.75, 1.50", "2.5, 1.0"]]
 
 
 def test_arguments_are_checked():
@@ -353,7 +366,7 @@ def test_the_command_runs_every_engine_on_a_tiny_model(tiny_model, tmp_path, cap
     speed = _table_rows("\n".join(l for l in best.splitlines() if l.startswith("|")))
     timed = sorted((str(b), bv.CONFIGS[e][0]) for b in (1, 2) for e in bv.SPEED_ENGINES if not (no_fp8 and e == "fp8"))
     assert sorted((r[1], r[2]) for r in speed) == timed
-    assert all(float(r[4]) > 0 and float(r[6]) > 0 for r in speed)
+    assert all(float(r[4]) > 0 and float(r[6]) > 0 and float(r[8]) > 0 for r in speed)
     runs = _table_rows("\n".join(l for l in each.splitlines() if l.startswith("|")))
     assert sorted((r[1], r[2]) for r in runs) == timed
     decode = {(r[1], r[2]): r[3].split(", ") for r in runs}
