@@ -12,8 +12,11 @@ reference) and, where the CPU runs it, its fp8_e4m3 cache (scale 1.0). Shapes ar
 model's (Qwen2.5-1.5B: 12 query heads, 2 kv heads, hidden 1536, MLP 8960), blocks of 128 tokens
 in a random order, the model dtype bf16.
 
-Rows: decode steps (one new token per sequence) at each batch and context, and a vLLM-shaped
-mixed step (decodes beside one prefill chunk). Each row is timed in turns (one call of each
+Rows: decode steps (one new token per sequence) at each batch and context; the same batches with
+a shared prefix, as ``qfa bench vllm`` times them (its batch's prompts differ in their last
+``TAIL`` tokens, so vLLM's prefix cache gives every sequence the same blocks for the rest, and
+those blocks stay in the CPU's caches from one sequence to the next); and a vLLM-shaped mixed
+step (decodes beside one prefill chunk). Each row is timed in turns (one call of each
 backend per round, the median of rounds) twice: back to back, and each call right after an
 MLP-sized matmul (the step's hidden states times a bf16 (1536, 8960) weight), as a layer's
 attention runs in a model, after the MLP of the layer before has evicted its data and code.
@@ -39,6 +42,9 @@ BATCHES = (1, 8)
 CONTEXTS = (1024, 4096)
 #: The mixed step: this many decodes at the first context beside one chunk of CHUNK new tokens.
 MIXED_DECODES, CHUNK = 4, 256
+#: The shared-prefix rows: the sequences differ in their last TAIL context tokens (``qfa bench vllm``'s
+#: batches), so they share the blocks that hold only tokens before those.
+TAIL = 16
 MIN_RUNS, MIN_TOTAL_SECONDS, MAX_RUNS = 20, 1.0, 200
 
 
@@ -63,15 +69,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class Step:
     """One step's batch: per sequence (context tokens, new tokens), its blocks in a random order
-    of a cache with room for every sequence, and random bf16 Q/K/V (context and new tokens)."""
+    of a cache with room for every sequence, and random bf16 Q/K/V (context and new tokens). The
+    first ``shared_blocks`` blocks of every table are the same blocks (a prefix vLLM's prefix
+    cache shares), written once."""
 
-    def __init__(self, shapes: list[tuple[int, int]], seed: int = 0) -> None:
+    def __init__(self, shapes: list[tuple[int, int]], seed: int = 0, shared_blocks: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
         self.shapes = shapes
+        if not 0 <= shared_blocks <= min(c for c, _ in shapes) // BLOCK_SIZE:
+            raise ValueError(f"shared_blocks must be in [0, {min(c for c, _ in shapes) // BLOCK_SIZE}] (full "
+                             f"blocks of the shortest context), got {shared_blocks}")
+        self.shared_blocks = shared_blocks
         per_seq = [-(-(c + n) // BLOCK_SIZE) for c, n in shapes]
-        self.num_blocks = sum(per_seq)
+        self.num_blocks = shared_blocks + sum(n - shared_blocks for n in per_seq)
         order = torch.randperm(self.num_blocks, generator=g).tolist()
-        self.tables = [[order.pop() for _ in range(n)] for n in per_seq]
+        common = [order.pop() for _ in range(shared_blocks)]
+        self.tables = [common + [order.pop() for _ in range(n - shared_blocks)] for n in per_seq]
         self.block_table = torch.zeros(len(shapes), max(per_seq), dtype=torch.int32)
         for b, t in enumerate(self.tables):
             self.block_table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -79,8 +92,10 @@ class Step:
         self.query_start_loc = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32)
         self.seq_lens = torch.tensor([c + n for c, n in shapes], dtype=torch.int32)
         self.slots = torch.cat([self._slots(b, c, c + n) for b, (c, n) in enumerate(shapes)])
-        self.context_slots = torch.cat([self._slots(b, 0, c) for b, (c, _) in enumerate(shapes)])
-        tokens, context = sum(news), sum(c for c, _ in shapes)
+        # the shared blocks' tokens once, with the first sequence's
+        starts = [0] + [shared_blocks * BLOCK_SIZE] * (len(shapes) - 1)
+        self.context_slots = torch.cat([self._slots(b, s, c) for b, ((c, _), s) in enumerate(zip(shapes, starts))])
+        tokens, context = sum(news), self.context_slots.numel()
 
         def rand(rows: int, heads: int, bias: float | torch.Tensor = 0.0) -> torch.Tensor:
             return (torch.randn(rows, heads, HEAD_DIM, generator=g) + bias).to(torch.bfloat16)
@@ -194,6 +209,8 @@ def measure(step: Step) -> tuple[dict[str, float], dict[str, float]]:
 
 def steps(batches, contexts, mixed: bool) -> list[tuple[str, Step]]:
     out = [(f"decode, {b} x {c}", Step([(c, 1)] * b)) for c in contexts for b in batches]
+    out += [(f"decode, {b} x {c}, prefix shared", Step([(c, 1)] * b, shared_blocks=(c - TAIL) // BLOCK_SIZE))
+            for c in contexts for b in batches if b > 1 and (c - TAIL) // BLOCK_SIZE > 0]
     if mixed:
         c = contexts[-1]
         out.append((f"mixed: {MIXED_DECODES} decodes at {c} + a {CHUNK}-token chunk after {c}",
