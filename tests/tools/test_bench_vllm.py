@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import math
 import random
+import statistics
 from dataclasses import asdict
 
 import pytest
@@ -199,21 +200,32 @@ def test_accuracy_cells_from_rows_and_the_verdict():
 
 
 def test_speed_table_ratios_against_bf16_and_the_decode_verdict():
-    def run(ctx, batch, decode, step, thr):
-        return {"context": ctx, "batch": batch, "prefill_s": 1.0, "decode_tok_s": decode, "median_step_tok_s": step,
-                "throughput_tok_s": thr}
+    def run(ctx, batch, decode, thr, *round_steps):
+        """A merged row whose round i timed one run of decode steps ``round_steps[i]``."""
+        rounds = [[_speed_row(ctx, batch, (1.0, decode, thr, steps))] for steps in round_steps]
+        return bv.merge_rounds(rounds)[0]
 
-    speed = {"bf16": [run(4096, 1, 2.0, 2.5, 0.5), run(4096, 8, 8.0, 10.0, 4.0)],
-             "hif8": [run(4096, 1, 2.2, 2.0, 0.4), run(4096, 8, 6.0, 12.0, 4.0)]}
+    # per round, HiF8's median step over bf16's: batch 1 (2/2.5, 3/2, 1/2) -> median 0.8; batch 8 1.2, 1.2
+    speed = {"bf16": [run(4096, 1, 2.0, 0.5, (2.5,), (2.0,), (2.0,)), run(4096, 8, 8.0, 4.0, (10.0,), (5.0,))],
+             "hif8": [run(4096, 1, 2.2, 0.4, (2.0,), (3.0,), (1.0,)), run(4096, 8, 6.0, 4.0, (12.0,), (6.0,))]}
     table, verdict = bv.speed_table(speed)
     rows = _table_rows(table)
-    assert [(r[1], r[2], r[5], r[7], r[9]) for r in rows] == [
-        ("1", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x", "1.00x"),
-        ("1", "HiF8, calibration file (qfa)", "1.10x", "0.80x", "0.80x"),
-        ("8", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x", "1.00x"),
-        ("8", "HiF8, calibration file (qfa)", "0.75x", "1.20x", "1.00x")]
-    assert verdict == ["decode target (HiF8 >= 1.0x CPU_ATTN bf16 at 4096 context, median decode step): NOT met "
-                       "(batch 1: 0.80x, batch 8: 1.20x)"]
+    assert [(r[1], r[2], r[5], r[7], r[8], r[10]) for r in rows] == [
+        ("1", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x", "1.00x", "1.00x"),
+        ("1", "HiF8, calibration file (qfa)", "1.10x", "1.00x", "0.80x", "0.80x"),
+        ("8", "bf16 cache (CPU_ATTN)", "1.00x", "1.00x", "1.00x", "1.00x"),
+        ("8", "HiF8, calibration file (qfa)", "0.75x", "1.20x", "1.20x", "1.00x")]
+    # pooled, batch 1's medians are equal (2.0 each); paired by round HiF8 is 0.8x
+    assert verdict == ["decode target (HiF8 >= 1.0x CPU_ATTN bf16 at 4096 context, median decode step paired by "
+                       "round): NOT met (batch 1: 0.80x, batch 8: 1.20x)"]
+
+
+def test_paired_ratio_pairs_runs_by_round():
+    runs = [{"round": 0, "step_tok_s": (2.0,)}, {"round": 1, "step_tok_s": (3.0, 3.0)}, {"round": 2, "step_tok_s": (9.0,)}]
+    ref = [{"round": 0, "step_tok_s": (4.0,)}, {"round": 1, "step_tok_s": (2.0,)}]
+    assert bv.paired_ratio(runs, ref) == pytest.approx(statistics.median([0.5, 1.5]))  # round 2 has no partner
+    with pytest.raises(ValueError, match="share at least one round"):
+        bv.paired_ratio(runs[2:], ref)
 
 
 def test_round_order_reverses_every_other_round_so_mean_positions_match():
@@ -247,9 +259,11 @@ def test_merge_rounds_keeps_every_run_and_takes_the_best_decode_and_the_first_pr
     assert [m["median_step_tok_s"] for m in merged] == [pytest.approx(1.2), pytest.approx(5.75)]
     assert [m["prefill_s"] for m in merged] == [9.0, 2.0] and [m["throughput_tok_s"] for m in merged] == [0.5, 3.0]
     assert [[r["decode_tok_s"] for r in m["runs"]] for m in merged] == [[1.0, 1.4], [6.0, 6.5, 5.0, 5.5]]
+    assert [[r["round"] for r in m["runs"]] for m in merged] == [[0, 1], [0, 0, 1, 1]]
     assert first[0]["runs"] == [{"prefill_s": 9.0, "decode_tok_s": 1.0, "throughput_tok_s": 0.5, "tokens": 8,
                                  "step_tok_s": (1.0, 1.2)}]
-    assert bv.merge_rounds([first]) == first
+    one = bv.merge_rounds([first])  # one round: the same rows, each run tagged round 0
+    assert one == [dict(row, runs=[dict(r, round=0) for r in row["runs"]]) for row in first]
     with pytest.raises(ValueError, match="round 1 timed other rows than round 0"):
         bv.merge_rounds([first, second[:1]])
     with pytest.raises(ValueError, match="at least one round"):
@@ -264,12 +278,16 @@ def test_runs_table_lists_each_run_in_order():
         ["4096", "1", "HiF8, calibration file (qfa)", "1.75, 1.50", "1.75, 1.50", "2.5, 1.0"]]
 
 
-def test_arguments_are_checked():
+def test_arguments_are_checked(capsys):
     parser = argparse.ArgumentParser()
     bv.add_arguments(parser)
     args = parser.parse_args(["--engines", "hif8,bf16", "--tokens", "8,16"])
     assert args.engines == ["bf16", "hif8"] and args.tokens == [8, 16]
     assert (args.rounds, args.repeats) == (bv.ROUNDS, bv.REPEATS)
+    for rounds in ("0", "3"):  # an odd count above 1 would leave the engines' places in the order uneven
+        bad = parser.parse_args(["--rounds", rounds])
+        assert bv.run(bad) == 2
+        assert "--rounds must be" in capsys.readouterr().err
     for bad in (["--engines", "hif8"], ["--engines", "bf16,nope"], ["--tokens", "0"], ["--batches", "x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
@@ -366,7 +384,8 @@ def test_the_command_runs_every_engine_on_a_tiny_model(tiny_model, tmp_path, cap
     speed = _table_rows("\n".join(l for l in best.splitlines() if l.startswith("|")))
     timed = sorted((str(b), bv.CONFIGS[e][0]) for b in (1, 2) for e in bv.SPEED_ENGINES if not (no_fp8 and e == "fp8"))
     assert sorted((r[1], r[2]) for r in speed) == timed
-    assert all(float(r[4]) > 0 and float(r[6]) > 0 and float(r[8]) > 0 for r in speed)
+    assert all(float(r[4]) > 0 and float(r[6]) > 0 and float(r[9]) > 0 for r in speed)
+    assert all(r[8] == "1.00x" for r in speed if r[2] == bv.CONFIGS["bf16"][0])  # each round paired with itself
     runs = _table_rows("\n".join(l for l in each.splitlines() if l.startswith("|")))
     assert sorted((r[1], r[2]) for r in runs) == timed
     decode = {(r[1], r[2]): r[3].split(", ") for r in runs}

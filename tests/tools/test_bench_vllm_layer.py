@@ -47,7 +47,7 @@ def test_a_shared_prefix_is_the_same_blocks_written_once():
     assert names == ["decode, 1 x 100", "decode, 8 x 100", "decode, 1 x 4096", "decode, 8 x 4096",
                      "decode, 8 x 4096, prefix shared"]
     shared = dict(bl.steps([8], [4096], mixed=False))["decode, 8 x 4096, prefix shared"]
-    assert shared.shared_blocks == (4096 - bl.TAIL) // bs
+    assert shared.shared_blocks == (4096 - bl.TAIL_TOKENS) // bs
 
 
 @pytest.mark.skipif(not cpu_prepare.available(), reason="the native CPU preparation is not built")

@@ -33,8 +33,10 @@ Every engine runs in its own process (``python -m qfa.tools.bench.vllm --worker 
 keeps process-wide state, and a fresh process returns all of an engine's memory). The speed
 engines run in ``--rounds`` turns: the first round measures everything, each later one starts
 every speed engine again for its timed runs only, in the reverse order of the round before
-(:func:`round_order`), so that a drift in the machine's speed falls on every engine alike rather
-than on whichever ran last. Each engine runs with vLLM's
+(:func:`round_order`; so ``--rounds`` is 1 or even), so that over each pair of rounds a steady
+drift in the machine's speed falls on every engine alike rather than on whichever ran last, and
+the speed table pairs the engines' median decode steps within each round
+(:func:`paired_ratio`). Each engine runs with vLLM's
 engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``enforce_eager`` and the
 model in bf16, the same for every cache. The header names the CPU, its ISA flags, vLLM's native
 build and CPU_ATTN's kernel, and the machine's load average before and after: on a shared
@@ -277,17 +279,30 @@ def generation_rates(snapshots: Sequence[tuple[float, int, int]], batch: int) ->
     times = [s[0] for s in snapshots]
     if any(b < a for a, b in zip(times, times[1:])):
         raise ValueError("snapshots must be in time order")
-    started = next((s for s in snapshots if s[2] >= batch), None)
-    if started is None:
+    first = next((i for i, s in enumerate(snapshots) if s[2] >= batch), None)
+    if first is None:
         raise ValueError(f"no step had all {batch} requests started (got at most {max(s[2] for s in snapshots)})")
+    started = snapshots[first]
     end = snapshots[-1]
     if end[1] <= started[1] or end[0] <= started[0]:
         raise ValueError(f"the run generated no token after its prefill ({started[1]} then {end[1]} tokens): ask "
                          f"for more than one token per request")
-    decode = snapshots[snapshots.index(started):]
+    decode = snapshots[first:]
     steps = tuple((b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(decode, decode[1:]) if b[0] > a[0])
     return Rates(prefill_s=started[0], decode_tok_s=(end[1] - started[1]) / (end[0] - started[0]),
                  throughput_tok_s=end[1] / end[0], tokens=end[1], step_tok_s=steps)
+
+
+def paired_ratio(runs: Sequence[Mapping], ref_runs: Sequence[Mapping]) -> float:
+    """The median over rounds of one engine's median decode step in a round over the reference
+    engine's in the same round (runs as :func:`merge_rounds` keeps them). A round's engines
+    run minutes apart, its rounds tens of minutes: pairing within rounds leaves out most of a
+    shared machine's drift."""
+    rounds = sorted({r["round"] for r in runs} & {r["round"] for r in ref_runs})
+    if not rounds:
+        raise ValueError("runs and ref_runs must share at least one round, got none")
+    return statistics.median(median_step([r for r in runs if r["round"] == i])
+                             / median_step([r for r in ref_runs if r["round"] == i]) for i in rounds)
 
 
 def median_step(runs: Sequence[Mapping]) -> float:
@@ -314,8 +329,9 @@ def speed_prompts(token_ids: Sequence[int], context: int, batch: int, tail: int 
 
 def round_order(engines: Sequence[str], index: int) -> list[str]:
     """The order the speed engines run in round ``index`` (from 0): as given in even rounds,
-    reversed in odd ones. Over two rounds every engine's mean position is the same, so a steady
-    drift in the machine's speed moves every engine's best run alike."""
+    reversed in odd ones. Over each pair of rounds every engine's mean position is the same, so
+    a steady drift in the machine's speed moves every engine alike (not so over an odd count of
+    rounds, which the command refuses)."""
     if index < 0:
         raise ValueError(f"index must be >= 0, got {index}")
     return list(engines) if index % 2 == 0 else list(reversed(engines))
@@ -323,8 +339,8 @@ def round_order(engines: Sequence[str], index: int) -> list[str]:
 
 def merge_rounds(rounds: Sequence[Sequence[Mapping]]) -> list[dict]:
     """One engine's speed rows from each of its rounds (the same rows in the same order) as one
-    list: every timed run kept, in the order it ran; decode tok/s the best of them all and the
-    median of all their decode steps; prefill and throughput those of the first round's first
+    list: every timed run kept, in the order it ran, with its round; decode tok/s the best of
+    them all and the median of all their decode steps; prefill and throughput those of the first round's first
     run (every run's prefill stays in its runs)."""
     if not rounds:
         raise ValueError("rounds must hold at least one round's rows, got none")
@@ -334,7 +350,7 @@ def merge_rounds(rounds: Sequence[Sequence[Mapping]]) -> list[dict]:
             raise ValueError(f"round {i} timed other rows than round 0")
     merged = []
     for at, row in enumerate(first):
-        runs = [run for rows in rounds for run in rows[at]["runs"]]
+        runs = [dict(run, round=i) for i, rows in enumerate(rounds) for run in rows[at]["runs"]]
         merged.append(dict(row, runs=runs, decode_tok_s=max(run["decode_tok_s"] for run in runs),
                            median_step_tok_s=median_step(runs)))
     return merged
@@ -442,32 +458,40 @@ def accuracy_verdict(cells: Sequence[Cell]) -> list[str]:
 
 def speed_table(speed: Mapping[str, Sequence[Mapping]]) -> tuple[str, list[str]]:
     """The speed table and its verdict, from engine -> list of {context, batch, prefill_s,
-    decode_tok_s, median_step_tok_s, throughput_tok_s} (the reference engine first). The verdict
-    reads the median decode step, the measure the host's bursts move least."""
+    decode_tok_s, median_step_tok_s, throughput_tok_s, runs} (the reference engine first; runs
+    as :func:`merge_rounds` keeps them). The verdict reads the median decode step paired by round
+    (:func:`paired_ratio`), the measure the host's bursts and drift move least."""
     ref = {(r["context"], r["batch"]): r for r in speed[REFERENCE]}
 
     def ratio(r: Mapping, key: str) -> str:
         base = ref.get((r["context"], r["batch"]))
         return f"{r[key] / base[key]:.2f}x" if base else ""
 
+    def paired(r: Mapping) -> Optional[float]:
+        base = ref.get((r["context"], r["batch"]))
+        return paired_ratio(r["runs"], base["runs"]) if base else None
+
     rows, verdict = [], []
     for engine, runs in speed.items():
         for r in runs:
+            by_round = paired(r)
             rows.append([r["context"], r["batch"], CONFIGS[engine][0], f"{r['prefill_s']:.1f}",
                          f"{r['decode_tok_s']:.2f}", ratio(r, "decode_tok_s"),
                          f"{r['median_step_tok_s']:.2f}", ratio(r, "median_step_tok_s"),
+                         "" if by_round is None else f"{by_round:.2f}x",
                          f"{r['throughput_tok_s']:.3f}", ratio(r, "throughput_tok_s")])
     rows.sort(key=lambda row: (row[0], row[1]))
     if "hif8" in speed:
-        ratios = [(r["batch"], r["median_step_tok_s"] / ref[(r["context"], r["batch"])]["median_step_tok_s"])
-                  for r in speed["hif8"] if r["context"] == DECODE_TARGET_CONTEXT and (r["context"], r["batch"]) in ref]
+        ratios = [(r["batch"], paired(r)) for r in speed["hif8"]
+                  if r["context"] == DECODE_TARGET_CONTEXT and (r["context"], r["batch"]) in ref]
         if ratios:
             ok = all(x >= DECODE_TARGET for _, x in ratios)
             verdict.append(f"decode target (HiF8 >= {DECODE_TARGET:.1f}x CPU_ATTN bf16 at {DECODE_TARGET_CONTEXT} "
-                           f"context, median decode step): {'met' if ok else 'NOT met'} ("
+                           f"context, median decode step paired by round): {'met' if ok else 'NOT met'} ("
                            + ", ".join(f"batch {b}: {x:.2f}x" for b, x in ratios) + ")")
     table = markdown_table(["context", "batch", "cache", "prefill s (first run)", "decode tok/s, best run", "vs bf16",
-                            "decode tok/s, median step", "vs bf16", "throughput tok/s", "vs bf16"], rows)
+                            "decode tok/s, median step", "vs bf16", "vs bf16, paired by round",
+                            "throughput tok/s", "vs bf16"], rows)
     return table, verdict
 
 
@@ -714,7 +738,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"timed runs of each speed row in one engine process (default {REPEATS})")
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help=f"processes per speed engine, run in turns, each later round in the reverse order of "
-                             f"the one before; decode tok/s is the best of rounds x repeats runs (default {ROUNDS})")
+                             f"the one before: 1 or even; decode tok/s is the best of rounds x repeats runs, and "
+                             f"each round pairs the engines' median steps (default {ROUNDS})")
     parser.add_argument("--kv-space", type=int, default=KV_SPACE_GIB, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     parser.add_argument("--max-batched-tokens", type=int, default=MAX_BATCHED_TOKENS)
     parser.add_argument("--engines", type=_engines, default=list(ENGINES),
@@ -804,6 +829,11 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             print(f"qfa bench vllm: {name} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if args.rounds > 1 and args.rounds % 2:
+        print(f"qfa bench vllm: --rounds must be 1 or even (each round runs the engines in the reverse order of the "
+              f"one before, which evens out their places only over pairs of rounds), got {args.rounds}",
+              file=sys.stderr)
+        return 2
     if args.decode_tokens < 2:
         print("qfa bench vllm: --decode-tokens must be >= 2 (decode speed is timed after the first token)",
               file=sys.stderr)
@@ -923,7 +953,8 @@ def run(args: argparse.Namespace) -> int:
             f"prefill is mostly served from the cache. Decode tok/s: tokens generated after every request has its "
             f"first token over the time that took, the best of {args.rounds * args.repeats} runs ({args.rounds} "
             f"processes per engine, run in turns, each timing {args.repeats}); median step: the median over those "
-            f"runs' decode steps of each step's tokens over its time; throughput: all generated tokens "
+            f"runs' decode steps of each step's tokens over its time; paired by round: the median over rounds of "
+            f"each round's median-step ratio to the bf16 cache's in the same round; throughput: all generated tokens "
             f"over the first run's wall time, prefill included. Taken on a shared machine (load average above)."),
     }
     text = report(header, capacity, accuracy_table(cells), speed, notes)

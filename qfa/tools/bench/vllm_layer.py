@@ -14,7 +14,7 @@ in a random order, the model dtype bf16.
 
 Rows: decode steps (one new token per sequence) at each batch and context; the same batches with
 a shared prefix, as ``qfa bench vllm`` times them (its batch's prompts differ in their last
-``TAIL`` tokens, so vLLM's prefix cache gives every sequence the same blocks for the rest, and
+``TAIL_TOKENS`` tokens, so vLLM's prefix cache gives every sequence the same blocks for the rest, and
 those blocks stay in the CPU's caches from one sequence to the next); and a vLLM-shaped mixed
 step (decodes beside one prefill chunk). Each row is timed in turns (one call of each
 backend per round, the median of rounds) twice: back to back, and each call right after an
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from qfa.tools.bench.timing import interleaved_medians, markdown_table, set_threads
+# the shared-prefix rows' sequences differ in their last TAIL_TOKENS context tokens, as `bench vllm`'s do
+from qfa.tools.bench.vllm import TAIL_TOKENS
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 HIDDEN, INTERMEDIATE = 1536, 8960
@@ -42,9 +44,6 @@ BATCHES = (1, 8)
 CONTEXTS = (1024, 4096)
 #: The mixed step: this many decodes at the first context beside one chunk of CHUNK new tokens.
 MIXED_DECODES, CHUNK = 4, 256
-#: The shared-prefix rows: the sequences differ in their last TAIL context tokens (``qfa bench vllm``'s
-#: batches), so they share the blocks that hold only tokens before those.
-TAIL = 16
 MIN_RUNS, MIN_TOTAL_SECONDS, MAX_RUNS = 20, 1.0, 200
 
 
@@ -209,8 +208,8 @@ def measure(step: Step) -> tuple[dict[str, float], dict[str, float]]:
 
 def steps(batches, contexts, mixed: bool) -> list[tuple[str, Step]]:
     out = [(f"decode, {b} x {c}", Step([(c, 1)] * b)) for c in contexts for b in batches]
-    out += [(f"decode, {b} x {c}, prefix shared", Step([(c, 1)] * b, shared_blocks=(c - TAIL) // BLOCK_SIZE))
-            for c in contexts for b in batches if b > 1 and (c - TAIL) // BLOCK_SIZE > 0]
+    out += [(f"decode, {b} x {c}, prefix shared", Step([(c, 1)] * b, shared_blocks=(c - TAIL_TOKENS) // BLOCK_SIZE))
+            for c in contexts for b in batches if b > 1 and (c - TAIL_TOKENS) // BLOCK_SIZE > 0]
     if mixed:
         c = contexts[-1]
         out.append((f"mixed: {MIXED_DECODES} decodes at {c} + a {CHUNK}-token chunk after {c}",
