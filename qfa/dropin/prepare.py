@@ -319,6 +319,8 @@ class StaticEncoding:
         self.rotate = rotate
         # the native passes read the mean where it lies, contiguous
         self._native_mean = None if mean is None or mean.device.type != "cpu" else mean.contiguous()
+        #: (the token rows' geometry, the native pass bound to it) after a native encode
+        self._encoder: Optional[tuple] = None
 
     def _check(self, x, name: str = "x") -> None:
         _check_token_rows(x, name)
@@ -334,11 +336,21 @@ class StaticEncoding:
         (tokens, heads, 128; float32, bfloat16 or float16, any strides, not modified), and how
         many finite values of ``H (x - mean) / scale`` reached HiF8's overflow threshold
         (stored as +-MAX). Bit for bit ``calibration.quantize(rotation.rotate(x.float() -
-        mean), scale)``: one native pass on CPU, those torch ops elsewhere."""
+        mean), scale)``: one native pass on CPU, those torch ops elsewhere.
+
+        Rows like the last native call's (a serving engine's queries, step after step) skip
+        the checks that call passed: only their geometry is compared."""
+        known = self._encoder
+        if known is not None and type(x) is torch.Tensor and _token_geometry(x) == known[0] and \
+                cpu_prepare.usable():
+            return known[1](x)
         self._check(x)
         if self._native(x):
-            return cpu_prepare.encode_token_rows(_rows(x), self.value, ROTATION_C, mean=self._native_mean,
-                                                 rotate=self.rotate)
+            x = _rows(x)
+            encoder = cpu_prepare.token_encoder(x.dtype, x.shape[1], x.stride(), self.value, ROTATION_C,
+                                                mean=self._native_mean, rotate=self.rotate)
+            self._encoder = (_token_geometry(x), encoder)
+            return encoder(x)
         if self.scale.device != x.device:
             self.scale = self.scale.to(x.device)
         y = x.float() if self.mean is None else x.float() - self.mean
@@ -414,16 +426,69 @@ def write_keys_values(keys: StaticEncoding, values: StaticEncoding, k: torch.Ten
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must be shaped as k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     _check_slots(slots, k, slots_name)
-    if keys.rotate == values.rotate and values.mean is None and v.dtype == k.dtype and keys._native(k) and \
-            values._native(v) and v_cache.stride() == k_cache.stride() and \
-            all(t.device.type == "cpu" for t in (k_cache, v_cache, slots)):
+    if _one_pass(keys, values, k, v, k_cache, v_cache, slots):
         written = cpu_prepare.write_kv_rows(_rows(k), _rows(v), k_cache, v_cache, slots.contiguous(), keys.value,
                                             values.value, ROTATION_C, mean=keys._native_mean, rotate=keys.rotate)
-        if isinstance(written, cpu_prepare.SlotRefused):
-            raise _slot_error(written, slots, k_cache.shape[0] * k_cache.shape[2], slots_name)
-        return written
+        return _written(written, slots, k_cache, slots_name)
     # what the first write accepts (its slots, against the same cache geometry), the second does
     return keys.write(k, k_cache, slots, slots_name) + values.write(v, v_cache, slots, slots_name)
+
+
+def _one_pass(keys: StaticEncoding, values: StaticEncoding, k: torch.Tensor, v: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether :func:`write_keys_values` (its arguments checked) writes keys and values in one
+    native pass."""
+    return keys.rotate == values.rotate and values.mean is None and v.dtype == k.dtype and keys._native(k) and \
+        values._native(v) and v_cache.stride() == k_cache.stride() and \
+        all(t.device.type == "cpu" for t in (k_cache, v_cache, slots))
+
+
+def _written(written, slots: torch.Tensor, k_cache: torch.Tensor, slots_name: str) -> int:
+    if isinstance(written, cpu_prepare.SlotRefused):
+        raise _slot_error(written, slots, k_cache.shape[0] * k_cache.shape[2], slots_name)
+    return written
+
+
+def _token_geometry(x: torch.Tensor) -> tuple:
+    """What a bound native pass fixes of token rows (T, N, 128), T aside: dtype, heads, strides,
+    on the CPU, the SIMD level asked for."""
+    return x.dtype, x.shape[1:], x.stride(), x.is_cpu, cpu_prepare.ISA
+
+
+class KVWriter:
+    """:func:`write_keys_values` with its encodings and paged cache views fixed: a serving
+    engine's layer writes each step's few tokens into the same cache. The first write checks
+    everything, as write_keys_values does; each later one whose keys, values and slots are like
+    that write's (dtype, heads, strides, CPU; any token count) compares only that geometry and
+    runs the same native pass, which checks the slots' values before writing (all or nothing).
+    Anything else takes write_keys_values whole."""
+
+    def __init__(self, keys: StaticEncoding, values: StaticEncoding, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots_name: str = "slots") -> None:
+        self.keys, self.values, self.k_cache, self.v_cache = keys, values, k_cache, v_cache
+        self.slots_name = slots_name
+        self._bound: Optional[tuple] = None  # (the tokens' geometry, the bound native pass)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> int:
+        """:func:`write_keys_values` of ``k`` and ``v`` at ``slots``; returns the saturated count."""
+        bound = self._bound
+        if bound is not None and type(k) is torch.Tensor and type(v) is torch.Tensor and \
+                type(slots) is torch.Tensor and self._geometry(k, v, slots) == bound[0] and cpu_prepare.usable():
+            return _written(bound[1](k, v, slots), slots, self.k_cache, self.slots_name)
+        written = write_keys_values(self.keys, self.values, k, v, self.k_cache, self.v_cache, slots, self.slots_name)
+        if _one_pass(self.keys, self.values, k, v, self.k_cache, self.v_cache, slots) and k.stride(-1) == 1 and \
+                v.stride(-1) == 1 and slots.stride() == (1,):
+            writer = cpu_prepare.kv_writer(self.k_cache, self.v_cache, k.dtype, k.stride(), v.stride(),
+                                           self.keys.value, self.values.value, ROTATION_C,
+                                           mean=self.keys._native_mean, rotate=self.keys.rotate)
+            self._bound = (self._geometry(k, v, slots), writer)
+        return written
+
+    @staticmethod
+    def _geometry(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple:
+        tokens = k.shape[:1]  # any dimensions: a 0-d tensor differs here, and is then refused, named
+        return (_token_geometry(k), _token_geometry(v), v.shape[:1] == tokens, slots.shape == tokens, slots.dtype,
+                slots.stride(), slots.is_cpu)
 
 
 def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotate: bool = True,

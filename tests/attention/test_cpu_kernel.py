@@ -848,3 +848,27 @@ def test_every_form_of_the_decoder_is_the_table_bit_for_bit(vbmi, e4m3, monkeypa
         got16, fin16 = mod.decode_bf16_codes(c, table, True, e4m3)
         assert torch.equal(got16, words[c.long()]), (kind, c[:8])
         assert fin16 == fin
+
+
+@needs_kernel
+def test_the_kernel_decodes_with_the_table_of_each_call():
+    """The kernel keeps the decoder it fitted last (fitting one costs about as much as a short
+    decode step): a call with another table (one value doubled), and then the first table
+    again, must decode with each call's own table."""
+    from qfa.attention import quant_flash_attn
+
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randint(0, 0x60, (1, n, s, 128), generator=gen, dtype=torch.uint8) for n, s in
+               ((4, 16), (2, 200), (2, 200)))
+    ones = torch.ones(1)
+    table = cpu_kernel._decode_table()
+    code = int(torch.bincount(k.flatten().long()).argmax())
+    doubled = table.clone()
+    doubled[code] *= 2
+    results = []
+    for t in (table, doubled, table):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_kernel, "_decode_table", lambda t=t: t)
+            results.append(quant_flash_attn(q, k, v, ones, ones, ones, 0)[0])
+    assert not torch.equal(results[0], results[1]), "the doubled value did not reach the decoder"
+    assert torch.equal(results[0], results[2])

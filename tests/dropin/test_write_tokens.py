@@ -356,3 +356,117 @@ class SlotWrites(RuleBasedStateMachine):
 
 
 TestSlotWrites = SlotWrites.TestCase
+
+
+def qkv_view(n: int, seed: int, dtype, part: int, heads: int = HEADS) -> torch.Tensor:
+    """Token rows as vLLM hands them over: one part of a fused qkv projection's rows (strided)."""
+    return tokens(n, seed, dtype=dtype, heads=3 * heads, scale=300.0)[:, part * heads:(part + 1) * heads]
+
+
+FORMS = {
+    "fp32": lambda n, seed, part: tokens(n, seed, scale=300.0),
+    "bf16": lambda n, seed, part: tokens(n, seed, dtype=torch.bfloat16, scale=300.0),
+    "bf16 qkv view": lambda n, seed, part: qkv_view(n, seed, torch.bfloat16, part),
+    "fp16 qkv view": lambda n, seed, part: qkv_view(n, seed, torch.float16, part),
+}
+
+
+class KVWriterWrites(RuleBasedStateMachine):
+    """One KVWriter (an engine layer's writes) over many steps: tokens of every form and count,
+    slots int32 or int64 with padding, some calls refused. A write like the one before takes the
+    bound pass with only its geometry compared; the model is this file's per-token reference,
+    and a refused call must leave every byte as it was."""
+
+    BLOCKS = 5
+
+    @initialize(seed=st.integers(0, 2 ** 16), rotate=st.booleans())
+    def start(self, seed, rotate):
+        self.cache, k_view, v_view = vllm_cache(self.BLOCKS, seed)
+        self.model, self.model_k, self.model_v = vllm_cache(self.BLOCKS, seed)
+        self.mean = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(seed))
+        self.rotate = rotate
+        self.writer = prepare.KVWriter(prepare.StaticEncoding(2.0 ** -6, mean=self.mean, rotate=rotate),
+                                       prepare.StaticEncoding(2.0 ** -5, rotate=rotate), k_view, v_view,
+                                       "slot_mapping")
+        self.calls = 0
+
+    @rule(n=st.integers(1, 12), form=st.sampled_from(sorted(FORMS)), slot_dtype=st.sampled_from([torch.int32, torch.int64]),
+          kind=st.sampled_from(["valid", "padded", "beyond", "twice", "v of other heads", "v shorter", "k not a tensor",
+                                "slots of another length"]), data=st.data())
+    def write(self, n, form, slot_dtype, kind, data):
+        self.calls += 1
+        capacity = self.BLOCKS * BLOCK
+        slots = torch.tensor(data.draw(st.lists(st.integers(0, capacity - 1), min_size=n, max_size=n, unique=True)))
+        k, v = FORMS[form](n, 2000 + self.calls, 1), FORMS[form](n, 3000 + self.calls, 2)
+        if kind == "padded":
+            slots[data.draw(st.integers(0, n - 1))] = -1
+        elif kind == "beyond":
+            slots[data.draw(st.integers(0, n - 1))] = capacity + data.draw(st.integers(0, 100))
+        elif kind == "twice" and n > 1:
+            a, b = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+            slots[b] = slots[a]
+        elif kind == "v of other heads":
+            v = tokens(n, seed=4000 + self.calls, heads=HEADS + 1)
+        elif kind == "v shorter":
+            v = v[:-1]
+        elif kind == "k not a tensor":
+            k = k.tolist()
+        elif kind == "slots of another length":
+            slots = torch.cat([slots, slots[:1]])
+        slots = slots.to(slot_dtype)
+        if kind not in ("valid", "padded") and not (kind == "twice" and n == 1):
+            before = self.cache.clone()
+            with pytest.raises((ValueError, TypeError)):
+                self.writer.write(k, v, slots)
+            assert torch.equal(self.cache, before), f"a refused write ({kind}) changed the cache"
+            return
+        saturated = self.writer.write(k, v, slots)
+        assert saturated == reference_write(self.model_k, k, slots, 2.0 ** -6, self.mean, self.rotate) + \
+            reference_write(self.model_v, v, slots, 2.0 ** -5, None, self.rotate)
+
+    @invariant()
+    def every_byte_is_the_models(self):
+        assert torch.equal(self.cache, self.model)
+
+
+TestKVWriterWrites = KVWriterWrites.TestCase
+
+
+def test_a_kv_writer_checks_in_full_only_writes_unlike_the_last(monkeypatch):
+    """The first write, and each whose tokens or slots differ in dtype, heads or strides, runs
+    write_keys_values whole; one like the last runs the bound pass, unless native code is off."""
+    full = []
+    whole = prepare.write_keys_values
+    monkeypatch.setattr(prepare, "write_keys_values", lambda *a: full.append(a[2].dtype) or whole(*a))
+    cache, k_view, v_view = vllm_cache(4, seed=50)
+    writer = prepare.KVWriter(prepare.StaticEncoding(2.0 ** -6, mean=torch.zeros(HEADS, D)),
+                              prepare.StaticEncoding(2.0 ** -5), k_view, v_view)
+    # (form, slots dtype, whether the write is checked in full)
+    steps = [(FORMS["bf16 qkv view"], torch.int64, 1), (FORMS["bf16 qkv view"], torch.int64, 0),
+             (FORMS["bf16 qkv view"], torch.int64, 0), (FORMS["bf16"], torch.int64, 1),
+             (FORMS["bf16"], torch.int32, 1), (FORMS["bf16"], torch.int32, 0)]
+    for step, (form, slot_dtype, checked) in enumerate(steps):
+        n = 1 + step % 3  # any token count is like the last
+        k, v = form(n, 60 + step, 1), form(n, 70 + step, 2)
+        before = len(full)
+        writer.write(k, v, torch.arange(n, dtype=slot_dtype) + 8 * step)
+        assert len(full) - before == checked, f"step {step}"
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")  # native code off: the torch path, in full
+    writer.write(FORMS["bf16"](2, 80, 1), FORMS["bf16"](2, 81, 2), torch.arange(2, dtype=torch.int32) + 60)
+    assert len(full) == 4
+
+
+def test_a_kept_encoding_refuses_after_native_encodes_naming_what():
+    """After an encode has bound the native pass, tokens unlike it are checked in full again."""
+    encoding = prepare.StaticEncoding(2.0 ** -6, mean=torch.zeros(HEADS, D))
+    for seed, x in enumerate((tokens(3, seed=90), tokens(5, seed=91), qkv_view(4, 92, torch.bfloat16, 1))):
+        codes, _ = encoding.encode(x)
+        assert torch.equal(codes, cal.quantize(rotation.rotate(x.float()), 2.0 ** -6)), seed
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        encoding.encode([0.0])
+    with pytest.raises(ValueError, match="x must have the mean's 2 heads"):
+        encoding.encode(tokens(3, seed=93, heads=HEADS + 1))
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got torch.float64"):
+        encoding.encode(tokens(3, seed=94).double())
+    with pytest.raises(ValueError, match=r"x must be \(tokens, heads, 128\), got shape \(3, 128\)"):
+        encoding.encode(torch.zeros(3, D))

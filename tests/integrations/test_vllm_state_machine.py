@@ -76,8 +76,20 @@ class BackendMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @rule(n=st.integers(1, 40))
-    def append(self, n):
+    def step_tokens(self, n: int, form: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's keys and values in one of the forms an engine hands over: fp32 or bf16 rows,
+        or (as vLLM) the key and value parts of a fused qkv projection's bf16 rows."""
+        k, v = self.tokens(n), self.tokens(n)
+        if form == "fp32":
+            return k, v
+        if form == "bf16":
+            return k.bfloat16(), v.bfloat16()
+        qkv = torch.cat([self.tokens(n, NQ), k, v], dim=1).bfloat16()
+        return qkv[:, NQ:NQ + NKV], qkv[:, NQ + NKV:]
+
+    @rule(n=st.integers(1, 40), form=st.sampled_from(["fp32", "bf16", "qkv view"]),
+          slot_dtype=st.sampled_from([torch.int64, torch.int32]))
+    def append(self, n, form, slot_dtype):
         """A new sequence, or tokens appended to one, written like vLLM writes a step."""
         if self.seqs and self.seed % 2:
             sid = sorted(self.seqs)[self.seed % len(self.seqs)]
@@ -92,9 +104,9 @@ class BackendMachine(RuleBasedStateMachine):
                 del self.seqs[sid]
             return  # the scheduler would not schedule it
         seq["blocks"] += [self.free.pop() for _ in range(need)]
-        k, v = self.tokens(n), self.tokens(n)
-        self.write(k, v, self.slots(seq, old, old + n))
-        seq["k"], seq["v"] = torch.cat([seq["k"], k]), torch.cat([seq["v"], v])
+        k, v = self.step_tokens(n, form)
+        self.write(k, v, self.slots(seq, old, old + n).to(slot_dtype))
+        seq["k"], seq["v"] = torch.cat([seq["k"], k.float()]), torch.cat([seq["v"], v.float()])
 
     @rule(kind=st.sampled_from(["slot beyond the cache", "slot named twice", "wrong heads", "value shorter"]),
           n=st.integers(1, 8))

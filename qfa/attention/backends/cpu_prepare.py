@@ -14,7 +14,9 @@ What it computes, per row of 128 values (a head vector):
 * ``encode_flat`` / ``quantize_flat``: the plain cast of a contiguous tensor (and of ``x / scale``);
 * ``encode_token_rows`` / ``write_token_rows``: pass 2 alone for a step's token rows (T, N, 128)
   with a known scale, into new codes or straight into the slots of a paged cache (a serving
-  engine's queries and cache writes: one call, checked before anything is written).
+  engine's queries and cache writes: one call, checked before anything is written);
+  ``token_encoder`` / ``kv_writer`` bind them to everything but the step's tokens, for an
+  engine's layer that checks its tokens' geometry against the last step's instead.
 
 The encoder rounds the 16-bit word of each value (a bf16 pattern, or an fp32 pattern's upper
 half: HiF8 rounding reads nothing below it). On AVX-512 (F/BW/DQ/VL) 32 words a register, the
@@ -49,7 +51,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -349,14 +351,33 @@ def encode_token_rows(x: torch.Tensor, scale: float, c: float, *, mean: torch.Te
     """``(codes, saturated)``: the uint8 codes (T, N, 128), contiguous, of ``H (x - mean) / scale``
     per row of the token rows ``x`` (T, N, 128) (the bits of :func:`encode_rows`), and how many
     finite values reached the overflow threshold."""
-    args = _token_args(x, mean)
-    out = torch.empty(x.shape, dtype=torch.uint8)
-    sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
-    if x.numel():
-        _checked(module().qfa_encode_tokens(*args, int(rotate), c, scale, out.data_ptr(), None, 0, max(1, x.shape[0]), 1,
-                                            0, 128, x.shape[1] * 128, torch.get_num_threads(), _isa(isa),
-                                            ctypes.byref(sat), ctypes.byref(bad)), "encode_token_rows")
-    return out, sat.value
+    _token_args(x, mean)
+    return token_encoder(x.dtype, x.shape[1], x.stride(), scale, c, mean=mean, rotate=rotate, isa=isa)(x)
+
+
+def token_encoder(dtype: torch.dtype, heads: int, strides: Sequence[int], scale: float, c: float, *,
+                  mean: torch.Tensor | None = None, rotate: bool = True,
+                  isa: int | None = None) -> Callable[[torch.Tensor], tuple[torch.Tensor, int]]:
+    """:func:`encode_token_rows` with everything but the rows fixed: a function of token rows
+    ``x`` that the caller has checked are CPU ``dtype`` (T, ``heads``, 128) with ``strides``
+    (what :func:`encode_token_rows` checks; a serving engine's step checks only that its queries
+    are like the last step's). ``mean`` is checked by the first call's caller, and kept alive by
+    it: the function holds its address."""
+    fn, dt, isa = module().qfa_encode_tokens, DTYPE_CODES[dtype], _isa(isa)
+    st, sh = strides[0], strides[1]
+    mu = None if mean is None else mean.data_ptr()
+    row_bytes = heads * 128
+
+    def encode(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        tokens = x.shape[0]
+        out = torch.empty((tokens, heads, 128), dtype=torch.uint8)
+        sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
+        if tokens:
+            _checked(fn(x.data_ptr(), dt, tokens, heads, st, sh, mu, int(rotate), c, scale, out.data_ptr(), None, 0,
+                        tokens, 1, 0, 128, row_bytes, torch.get_num_threads(), isa, ctypes.byref(sat),
+                        ctypes.byref(bad)), "encode_token_rows")
+        return out, sat.value
+    return encode
 
 
 class SlotRefused(NamedTuple):
@@ -419,7 +440,8 @@ def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     pass: k and v alike in dtype and shape, the caches alike in shape and strides (a paged
     cache's K and V views). The slots are checked once, before a byte of either is written.
     Returns the saturated count of both, or the :class:`SlotRefused`."""
-    k_args, v_args = _token_args(k, mean), _token_args(v, None)
+    _token_args(k, mean)
+    _token_args(v, None)
     if v.dtype != k.dtype or v.shape != k.shape:
         raise ValueError(f"v must be k's dtype and shape {k.dtype} {tuple(k.shape)}, got {v.dtype} {tuple(v.shape)}")
     _check_cache(k_cache, k.shape[1], "k_cache")
@@ -428,16 +450,38 @@ def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         raise ValueError(f"v_cache must be uint8 of k_cache's shape {tuple(k_cache.shape)} and strides "
                          f"{k_cache.stride()}, got {v_cache.dtype} {tuple(v_cache.shape)} {v_cache.stride()}")
     _check_slots(slots, k.shape[0])
-    if k.shape[0] == 0:
-        return 0
-    sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
+    writer = kv_writer(k_cache, v_cache, k.dtype, k.stride(), v.stride(), k_scale, v_scale, c, mean=mean,
+                       rotate=rotate, isa=isa)
+    return writer(k, v, slots)
+
+
+def kv_writer(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, k_strides: Sequence[int],
+              v_strides: Sequence[int], k_scale: float, v_scale: float, c: float, *,
+              mean: torch.Tensor | None = None, rotate: bool = True,
+              isa: int | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], int | SlotRefused]:
+    """:func:`write_kv_rows` into these caches with everything but the step's tokens fixed: a
+    function of ``(k, v, slots)`` that the caller has checked as :func:`write_kv_rows` does,
+    with k and v in ``dtype`` and their ``k_strides`` / ``v_strides`` (a serving engine checks
+    its caches and scales once, and each step only that its tokens are like the last step's).
+    The slots' values are checked in the pass, before anything is written. The function holds
+    the caches' and the mean's addresses: the caller keeps them alive."""
+    fn, dt, isa = module().qfa_encode_kv_tokens, DTYPE_CODES[dtype], _isa(isa)
+    heads, (k_st, k_sh), (v_st, v_sh) = k_cache.shape[1], k_strides[:2], v_strides[:2]
     blocks, _, block_size, _ = k_cache.shape
-    result = module().qfa_encode_kv_tokens(
-        k_args[0], v_args[0], k_args[1], k_args[2], k_args[3], k_args[4], k_args[5], v_args[4], v_args[5],
-        k_args[6], int(rotate), c, k_scale, v_scale, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        int(slots.dtype == torch.int32), block_size, blocks, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        torch.get_num_threads(), _isa(isa), ctypes.byref(sat), ctypes.byref(bad))
-    return _slot_result(result, bad, sat, "write_kv_rows")
+    s_block, s_head, s_slot = k_cache.stride()[:3]
+    k_ptr, v_ptr, mu = k_cache.data_ptr(), v_cache.data_ptr(), None if mean is None else mean.data_ptr()
+
+    def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> int | SlotRefused:
+        tokens = k.shape[0]
+        if tokens == 0:
+            return 0
+        sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
+        result = fn(k.data_ptr(), v.data_ptr(), dt, tokens, heads, k_st, k_sh, v_st, v_sh, mu, int(rotate), c,
+                    k_scale, v_scale, k_ptr, v_ptr, slots.data_ptr(), int(slots.dtype == torch.int32), block_size,
+                    blocks, s_block, s_head, s_slot, torch.get_num_threads(), isa, ctypes.byref(sat),
+                    ctypes.byref(bad))
+        return _slot_result(result, bad, sat, "write_kv_rows")
+    return write
 
 
 def quantize_flat(x: torch.Tensor, scale: float, isa: int | None = None) -> tuple[torch.Tensor, int]:

@@ -244,6 +244,7 @@ class QfaHiF8Impl(AttentionImpl):
         self._warned_saturation = 0
         self._queries: tuple = (None, None, None)  # (the query scale, rotate, its StaticEncoding)
         self._views: tuple = (None, None, None)  # (a weak reference to the cache, its layout, its views)
+        self._writer: tuple = (None, None, None)  # (the state, the K view, their KVWriter)
 
     # ------------------------------------------------------------------ the layer's state
 
@@ -282,26 +283,29 @@ class QfaHiF8Impl(AttentionImpl):
         tokens = slot_mapping.shape[0]
         expected = (self.num_kv_heads, self.head_size)
         for name, t in (("key", key), ("value", value)):
-            if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.shape[0] < tokens:
+            if t.dim() != 3 or t.shape[1:] != expected or t.shape[0] < tokens:
                 raise ValueError(f"{name} must be (>= {tokens} tokens, {expected[0]} kv heads, {expected[1]}) for "
                                  f"slot_mapping's {tokens} slots, got {tuple(t.shape)}")
-        key, value = key[:tokens], value[:tokens]
+        if key.shape[0] != tokens or value.shape[0] != tokens:
+            key, value = key[:tokens], value[:tokens]
         k_cache, v_cache = self._cache_views(kv_cache)
         # everything is checked before anything is kept: a call that fails leaves the cache and
         # the layer's state as they were
         state = self.state
-        if state is None:  # the first real tokens fix the scales (vLLM pads a batch with slot -1)
-            real = slot_mapping >= 0
-            if not bool(real.any()):
-                return
-            state = self._layer_state(layer, key[real], value[real])
+        if state is not None:
+            self._count_saturated(layer, self._writer_of(state, k_cache, v_cache).write(key, value, slot_mapping))
+            return
+        # the first real tokens fix the scales (vLLM pads a batch with slot -1)
+        real = slot_mapping >= 0
+        if not bool(real.any()):
+            return
+        state = self._layer_state(layer, key[real], value[real])
         saturated = state.write(key, value, k_cache, v_cache, slot_mapping)
-        if self.state is None:
-            self.state = state
-            if self._calibration is None:
-                logger.info("qfa: %s fixed its HiF8 scales from its first %d tokens: k_scale %g, v_scale %g",
-                            getattr(layer, "layer_name", "a layer"), int((slot_mapping >= 0).sum()),
-                            float(state.k_scale), float(state.v_scale))
+        self.state = state
+        if self._calibration is None:
+            logger.info("qfa: %s fixed its HiF8 scales from its first %d tokens: k_scale %g, v_scale %g",
+                        getattr(layer, "layer_name", "a layer"), int((slot_mapping >= 0).sum()),
+                        float(state.k_scale), float(state.v_scale))
         self._count_saturated(layer, saturated)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -374,6 +378,16 @@ class QfaHiF8Impl(AttentionImpl):
     def _drop_views(self, gone: weakref.ref) -> None:
         if self._views[0] is gone:
             self._views = (None, None, None)
+            self._writer = (None, None, None)
+
+    def _writer_of(self, state: LayerState, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """The state's :class:`~qfa.dropin.prepare.KVWriter` into these views (the kept
+        :meth:`_cache_views`), kept while both are the layer's."""
+        kept_state, kept_views, writer = self._writer
+        if kept_state is not state or kept_views is not k_cache:
+            writer = state.writer(k_cache, v_cache)
+            self._writer = (state, k_cache, writer)
+        return writer
 
     def _query_encoding(self, state: LayerState, q_scale: torch.Tensor) -> StaticEncoding:
         """The queries' encoding with ``q_scale``, kept while the scale is the layer's."""

@@ -21,7 +21,7 @@ import torch
 
 from qfa.dropin import calibration as cal
 from qfa.dropin import rotation
-from qfa.dropin.prepare import StaticEncoding, write_keys_values
+from qfa.dropin.prepare import KVWriter, StaticEncoding, write_keys_values
 
 
 @dataclass(frozen=True)
@@ -122,3 +122,8 @@ class LayerState:
         skipped); returns how many values saturated. All or nothing: a slot beyond the cache or
         named twice raises a ValueError naming ``slot_mapping``, with nothing written."""
         return write_keys_values(self.keys, self.values, k, v, k_cache, v_cache, slots, "slot_mapping")
+
+    def writer(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVWriter:
+        """:meth:`write` into these cache views, step after step: a :class:`KVWriter`, which
+        checks in full only the first write and writes that are not like it."""
+        return KVWriter(self.keys, self.values, k_cache, v_cache, "slot_mapping")
