@@ -311,6 +311,20 @@ def test_a_refused_pair_writes_neither(kind, native, monkeypatch):
     assert torch.equal(cache, before)
 
 
+def drawn_slots(data, n: int, capacity: int, kind: str) -> torch.Tensor:
+    """n distinct slots of a cache of ``capacity``; ``kind`` "padded" makes one -1, "beyond" one
+    past the cache, "twice" (n > 1) one a repeat of another."""
+    slots = torch.tensor(data.draw(st.lists(st.integers(0, capacity - 1), min_size=n, max_size=n, unique=True)))
+    if kind == "padded":
+        slots[data.draw(st.integers(0, n - 1))] = -1
+    elif kind == "beyond":
+        slots[data.draw(st.integers(0, n - 1))] = capacity + data.draw(st.integers(0, 100))
+    elif kind == "twice" and n > 1:
+        a, b = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+        slots[b] = slots[a]
+    return slots
+
+
 class SlotWrites(RuleBasedStateMachine):
     """Random batches written into one cache, on either path, some refused; the model holds what
     each slot should hold (its last token's codes, written by the reference), or the cache's
@@ -329,15 +343,7 @@ class SlotWrites(RuleBasedStateMachine):
           dtype=st.sampled_from(DTYPES), data=st.data())
     def write(self, n, native, kind, dtype, data):
         self.calls += 1
-        capacity = self.BLOCKS * BLOCK
-        slots = torch.tensor(data.draw(st.lists(st.integers(0, capacity - 1), min_size=n, max_size=n, unique=True)))
-        if kind == "padded":
-            slots[data.draw(st.integers(0, n - 1))] = -1
-        elif kind == "beyond":
-            slots[data.draw(st.integers(0, n - 1))] = capacity + data.draw(st.integers(0, 100))
-        elif kind == "twice" and n > 1:
-            a, b = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
-            slots[b] = slots[a]
+        slots = drawn_slots(data, n, self.BLOCKS * BLOCK, kind)
         refused = kind == "beyond" or (kind == "twice" and n > 1)
         x = tokens(n, seed=1000 + self.calls, dtype=dtype, scale=100.0)
         with pytest.MonkeyPatch.context() as mp:
@@ -395,17 +401,9 @@ class KVWriterWrites(RuleBasedStateMachine):
                                 "slots of another length"]), data=st.data())
     def write(self, n, form, slot_dtype, kind, data):
         self.calls += 1
-        capacity = self.BLOCKS * BLOCK
-        slots = torch.tensor(data.draw(st.lists(st.integers(0, capacity - 1), min_size=n, max_size=n, unique=True)))
+        slots = drawn_slots(data, n, self.BLOCKS * BLOCK, kind)
         k, v = FORMS[form](n, 2000 + self.calls, 1), FORMS[form](n, 3000 + self.calls, 2)
-        if kind == "padded":
-            slots[data.draw(st.integers(0, n - 1))] = -1
-        elif kind == "beyond":
-            slots[data.draw(st.integers(0, n - 1))] = capacity + data.draw(st.integers(0, 100))
-        elif kind == "twice" and n > 1:
-            a, b = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
-            slots[b] = slots[a]
-        elif kind == "v of other heads":
+        if kind == "v of other heads":
             v = tokens(n, seed=4000 + self.calls, heads=HEADS + 1)
         elif kind == "v shorter":
             v = v[:-1]
