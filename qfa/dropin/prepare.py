@@ -322,6 +322,10 @@ class StaticEncoding:
         #: (the token rows' geometry, the native pass bound to it) after a native encode
         self._encoder: Optional[tuple] = None
 
+    def __getstate__(self) -> dict:
+        # a copy or a pickle binds afresh: the bound pass holds the mean's address, not the mean
+        return {**self.__dict__, "_encoder": None}
+
     def _check(self, x, name: str = "x") -> None:
         _check_token_rows(x, name)
         if self.mean is not None and (x.shape[1] != self.mean.shape[0] or x.device != self.mean.device):
@@ -346,10 +350,11 @@ class StaticEncoding:
             return known[1](x)
         self._check(x)
         if self._native(x):
-            x = _rows(x)
+            x = _rows(x)  # (an empty x keeps its strides: it is bound only with rows of 128 in place)
             encoder = cpu_prepare.token_encoder(x.dtype, x.shape[1], x.stride(), self.value, ROTATION_C,
                                                 mean=self._native_mean, rotate=self.rotate)
-            self._encoder = (_token_geometry(x), encoder)
+            if x.stride(-1) == 1:
+                self._encoder = (_token_geometry(x), encoder)
             return encoder(x)
         if self.scale.device != x.device:
             self.scale = self.scale.to(x.device)
@@ -458,16 +463,21 @@ def _token_geometry(x: torch.Tensor) -> tuple:
 class KVWriter:
     """:func:`write_keys_values` with its encodings and paged cache views fixed: a serving
     engine's layer writes each step's few tokens into the same cache. The first write checks
-    everything, as write_keys_values does; each later one whose keys, values and slots are like
-    that write's (dtype, heads, strides, CPU; any token count) compares only that geometry and
-    runs the same native pass, which checks the slots' values before writing (all or nothing).
-    Anything else takes write_keys_values whole."""
+    everything, as write_keys_values does, and binds its native pass (a single pass over keys
+    and values with rows of 128 in place and contiguous slots). Each later write whose keys,
+    values and slots are like the bound one's (dtype, heads, strides, CPU, the slots' dtype; any
+    token count), into caches still at the bound addresses, compares only that and runs the
+    same pass, which checks the slots' values before writing (all or nothing). Anything else
+    takes write_keys_values whole. Copies and pickles bind afresh."""
 
     def __init__(self, keys: StaticEncoding, values: StaticEncoding, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots_name: str = "slots") -> None:
         self.keys, self.values, self.k_cache, self.v_cache = keys, values, k_cache, v_cache
         self.slots_name = slots_name
         self._bound: Optional[tuple] = None  # (the tokens' geometry, the bound native pass)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_bound": None}  # the bound pass holds the caches' addresses
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> int:
         """:func:`write_keys_values` of ``k`` and ``v`` at ``slots``; returns the saturated count."""
@@ -484,11 +494,11 @@ class KVWriter:
             self._bound = (self._geometry(k, v, slots), writer)
         return written
 
-    @staticmethod
-    def _geometry(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple:
+    def _geometry(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple:
         tokens = k.shape[:1]  # any dimensions: a 0-d tensor differs here, and is then refused, named
+        # the caches' addresses too: a cache re-pointed in place (set_, a storage resize) binds afresh
         return (_token_geometry(k), _token_geometry(v), v.shape[:1] == tokens, slots.shape == tokens, slots.dtype,
-                slots.stride(), slots.is_cpu)
+                slots.stride(), slots.is_cpu, self.k_cache.data_ptr(), self.v_cache.data_ptr())
 
 
 def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotate: bool = True,

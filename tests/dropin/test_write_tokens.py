@@ -468,3 +468,51 @@ def test_a_kept_encoding_refuses_after_native_encodes_naming_what():
         encoding.encode(tokens(3, seed=94).double())
     with pytest.raises(ValueError, match=r"x must be \(tokens, heads, 128\), got shape \(3, 128\)"):
         encoding.encode(torch.zeros(3, D))
+
+
+def test_an_encode_binds_only_rows_read_in_place():
+    """An empty strided batch is encoded as it is (nothing to copy); the next batch with those
+    strides must still be made contiguous, not read through a pass bound to 128-wide rows."""
+    encoding = prepare.StaticEncoding(2.0 ** -6)
+    encoding.encode(torch.empty(0, HEADS, 2 * D)[:, :, ::2])
+    x = tokens(3, seed=95, heads=HEADS * 2).reshape(3, HEADS, 2 * D)[:, :, ::2]
+    assert torch.equal(encoding.encode(x)[0], cal.quantize(rotation.rotate(x.float()), 2.0 ** -6))
+
+
+def test_copies_and_pickles_bind_afresh():
+    """The bound passes hold addresses (the mean's, the caches'), not tensors: a copy must use its
+    own, and a pickle must not carry them."""
+    import copy
+    import pickle
+
+    mean = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(96))
+    encoding = prepare.StaticEncoding(2.0 ** -6, mean=mean)
+    x = tokens(4, seed=97)
+    encoding.encode(x)  # binds
+    twin = copy.deepcopy(encoding)
+    twin.mean.zero_()
+    twin._native_mean.zero_()
+    assert torch.equal(twin.encode(x)[0], cal.quantize(rotation.rotate(x.float()), 2.0 ** -6))
+    assert torch.equal(pickle.loads(pickle.dumps(encoding)).encode(x)[0], encoding.encode(x)[0])
+    cache, k_view, v_view = vllm_cache(3, seed=98)
+    writer = prepare.KVWriter(encoding, prepare.StaticEncoding(2.0 ** -5), k_view, v_view)
+    writer.write(x, x, torch.arange(4))  # binds
+    before = cache.clone()
+    other = copy.deepcopy(writer)
+    other.write(x, x, torch.arange(4) + 20)
+    assert torch.equal(cache, before), "a copy wrote into the original's cache"
+    assert not torch.equal(other.k_cache[1, :, 4:8], before.view(3, HEADS, 2, BLOCK, D)[1, :, 0, 4:8])
+
+
+def test_a_cache_re_pointed_in_place_is_written_where_it_now_lies():
+    k_cache, v_cache = (torch.zeros(3, HEADS, BLOCK, D, dtype=torch.uint8) for _ in range(2))
+    writer = prepare.KVWriter(prepare.StaticEncoding(2.0 ** -6), prepare.StaticEncoding(2.0 ** -5), k_cache, v_cache)
+    x = tokens(2, seed=99)
+    writer.write(x, x, torch.tensor([0, 1]))  # binds
+    old = k_cache.clone()
+    kept = k_cache.untyped_storage()  # the old storage stays alive: it must not be written
+    fresh = torch.zeros_like(k_cache)
+    k_cache.set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
+    writer.write(x, x, torch.tensor([5, 6]))
+    assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(kept).view(old.shape), old)
+    assert k_cache[0, :, 5:7].any() and torch.equal(k_cache[0, :, 5:7], old[0, :, 0:2])
