@@ -23,6 +23,15 @@ settings.register_profile("long", max_examples=300, deadline=None, print_blob=Tr
 settings.load_profile(os.environ.get("QFA_HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True)
+def _no_known_calls(monkeypatch):
+    """Each test starts with no op call remembered (``qfa.attention.known_calls``): its first
+    call of a kind takes the op's full path, whatever the tests before it ran."""
+    from qfa.attention import known_calls
+
+    monkeypatch.setattr(known_calls, "_plans", {})
+
+
 @pytest.fixture
 def torch_backend():
     """Run on the torch path even when the environment sets ``QFA_BACKEND``."""

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import qfa
+from qfa.attention import known_calls
 from qfa.attention.backends import cpu_kernel, torch_path
 from qfa.tiling import attention as tiling
 from qfa.tiling import attention_checks as checks
@@ -452,6 +453,7 @@ def test_threads_sharing_the_cache_get_their_own_plans(fresh_cache):
     cases = [decode_case(skv=s, seed=s) for s in (20, 33, 47, 300)]
     want = [bits(qfa.quant_flash_attn(*c, *scales(), return_softmax_lse=True)) for c in cases]
     fresh_cache.clear()
+    known_calls.forget()
     failures = []
 
     def work(i):
@@ -467,6 +469,8 @@ def test_threads_sharing_the_cache_get_their_own_plans(fresh_cache):
     for t in threads:
         t.join()
     assert not failures and len(fresh_cache) == len(cases)
+    if cpu_kernel.available():  # each case's first call remembered it, whichever thread made it
+        assert len(known_calls._plans) == len(cases)
 
 
 @pytest.mark.parametrize("layout", [None, "BNSD", "BSND", "TND"])
