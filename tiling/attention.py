@@ -496,8 +496,10 @@ def check_against_metadata(meta: AttentionMetadata, *, layout: str, mask_mode, c
 #: step of a model is such a call, with the geometry of the step before. Such a plan is a function
 #: of its key alone (layout, mask, max_seqlen bounds, softmax_scale, return_lse, and each of q, k,
 #: v's shape, strides, dtype and device; never a tensor value), so a hit is the plan the call
-#: would derive. Every check still runs on every call (see :func:`_lengthless_plan`); only the
-#: derivation is skipped. At most PLAN_CACHE_SIZE entries: a new one evicts the oldest.
+#: would derive. Every check of plan_attention still runs on a hit (see :func:`_lengthless_plan`);
+#: only the derivation is skipped. (The op itself skips plan_attention for a call like an earlier
+#: successful one: qfa.attention.known_calls.) At most PLAN_CACHE_SIZE entries: a new one evicts
+#: the oldest.
 PLAN_CACHE_SIZE = 256
 _plan_cache: dict[tuple, AttentionPlan] = {}
 _plan_cache_lock = threading.Lock()

@@ -8,13 +8,15 @@ On the Zen 4 EPYC the op's checks and planning took about 280 us a call right af
 A call whose arguments are like those of an earlier call that succeeded passes the same static
 checks and gets the same plan. Like means: the same operand types, dtypes, shapes, strides and
 devices, the same options (with their types), and the same ``QFA_BACKEND``. Only values can
-differ, so the descales are checked again on every call (:func:`run`). Such a call goes
-straight to those checks and the kernel; the op's full path remembers a call when it succeeds.
+differ, and they are read after planning: :func:`run` runs the full path's code from there (the
+descales read and checked, then the kernel). The op's full path remembers a call when it
+succeeds.
 
-Which calls: the HiF8 mode on the native CPU kernel, K/V not paged, uint8 codes in plain
-``torch.Tensor``s, and none of metadata, length tensors, ``p_scale``, a mask tensor, sinks,
-windows or length bounds. That is the form of the drop-in's calls and of a model's direct ones.
-Any other call, or one unlike every remembered call, takes the full path.
+Which calls: the HiF8 mode on the native CPU kernel, K/V not paged, uint8 codes, every tensor a
+plain dense ``torch.Tensor`` (strided, not nested, no subclass), and none of metadata, length
+tensors, ``p_scale``, a mask tensor, sinks, windows or length bounds. That is the form of the
+drop-in's calls and of a model's direct ones. Any other call, or one unlike every remembered
+call, takes the full path.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from qfa import _environ, backends
 from qfa.attention.backends import cpu_kernel
 from qfa.tiling.attention import PLAN_CACHE_SIZE, AttentionPlan
-from qfa.tiling.attention_checks import check_scale_floats
+from qfa.tiling.attention_checks import check_scale_values
 from qfa.tiling.spec import MaskMode, QuantMode
 
 #: The types of the scalar options a known call may have; any other takes the full path.
@@ -41,9 +43,11 @@ def key_of(q, k, v, q_descale, k_descale, v_descale, quant_mode, mask_mode, soft
     """What the op's static checks and plan are a function of, for a call of the form this
     module runs (see the module doc; the caller has seen the other arguments at their defaults),
     or None for a call it leaves to the full path."""
-    tensor = torch.Tensor
-    if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or type(q_descale) is not tensor
-            or type(k_descale) is not tensor or type(v_descale) is not tensor or q.dtype is not torch.uint8):
+    tensor, strided = torch.Tensor, torch.strided
+    for t in (q, k, v, q_descale, k_descale, v_descale):  # (a CSR tensor has no strides, a nested one no shape)
+        if type(t) is not tensor or t.is_nested or t.layout is not strided:
+            return None
+    if q.dtype is not torch.uint8:
         return None
     for option in (*layouts, backend):
         if option is not None and type(option) is not str:
@@ -70,6 +74,8 @@ def remember(key: tuple, plan: AttentionPlan) -> None:
     """Remember a call that succeeded on the native kernel (at most PLAN_CACHE_SIZE: a new one
     evicts the oldest)."""
     with _lock:
+        if key in _plans:  # (two threads' first calls alike: one entry, nothing evicted)
+            return
         while len(_plans) >= PLAN_CACHE_SIZE:
             del _plans[next(iter(_plans))]
         _plans[key] = plan
@@ -83,11 +89,12 @@ def forget() -> None:
 
 def run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale,
         rotated: cpu_kernel.RotatedOutput | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The op's result for a call like the one that made ``plan``: its descales' values checked
-    (the op's own check and message), then the kernel. None where the kernel is not available
-    now (``QFA_NATIVE=0``): the full path then picks the backend."""
+    """The op's result for a call like the one that made ``plan``: the code the op's full path
+    runs after planning (the descales' values read and checked as its plan checks them, then the
+    kernel). None where the kernel is not available now (``QFA_NATIVE=0``): the full path then
+    picks the backend."""
     if not cpu_kernel.available():
         return None
-    q_value, k_value, v_value = q_descale.item(), k_descale.item(), v_descale.item()
-    check_scale_floats(plan, q_value, k_value, v_value)
-    return cpu_kernel.forward_values(plan, q, k, v, q_value, k_value, v_value, rotated)
+    check_scale_values(plan, q_descale, k_descale, v_descale, None)
+    return cpu_kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, None, known_available=True,
+                              rotated=rotated)

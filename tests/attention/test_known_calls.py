@@ -12,6 +12,9 @@ What must hold:
 
 from __future__ import annotations
 
+import inspect
+import os
+
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -228,8 +231,7 @@ def test_qfa_native_0_sends_a_known_call_to_the_torch_path(registry, planned, mo
     qfa.quant_flash_attn(q, k, v, *scales())
     monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
     ran = []
-    for name in ("forward", "forward_values"):
-        monkeypatch.setattr(cpu_kernel, name, lambda *a, **kw: ran.append("kernel"))
+    monkeypatch.setattr(cpu_kernel, "forward", lambda *a, **kw: ran.append("kernel"))
     whole = torch_path.forward
     monkeypatch.setattr(torch_path, "forward", lambda *a, **kw: ran.append("torch") or whole(*a, **kw))
     qfa.quant_flash_attn(q, k, v, *scales())
@@ -258,6 +260,73 @@ def test_calls_of_other_forms_are_not_remembered(extra, registry):
     assert not registry
 
 
+def _sparse(t):
+    return t.to_sparse()
+
+
+def _csr(t):
+    return t.reshape(-1, t.shape[-1]).to_sparse_csr()
+
+
+# Tensors of other kinds, each in a call that is otherwise like the remembered one: the known
+# path must neither serve them nor fail reading their key before the op's checks name them.
+KINDS = {
+    "sparse q_descale": lambda a, kw: ((*a[:3], _sparse(a[3]), *a[4:]), kw),
+    "mkldnn k_descale": lambda a, kw: ((*a[:4], a[4].to_mkldnn(), *a[5:]), kw),
+    "CSR k, bad mask_mode": lambda a, kw: ((a[0], _csr(a[1]), *a[2:]), kw | {"mask_mode": 5}),
+    "nested q, bad layout": lambda a, kw: ((torch.nested.nested_tensor([a[0][0]]), *a[1:]), kw | {"layout": "XYZ"}),
+}
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_tensors_of_other_kinds_take_the_full_path(name, served, monkeypatch):
+    args, kw = (*case(), *scales(), 0), {}
+    qfa.quant_flash_attn(*args, **kw)
+    changed, changed_kw = KINDS[name](args, kw)
+    got = outcome_any(*changed, **changed_kw)
+    assert not served
+    with monkeypatch.context() as without:  # the op as if it had no known path at all
+        without.setattr(known_calls, "key_of", lambda *a: None)
+        want = outcome_any(*changed, **changed_kw)
+    assert got == want
+
+
+def outcome_any(*args, **kwargs):
+    """``outcome``, with any exception (some tensor kinds fail inside torch, not in the checks)."""
+    try:
+        return "ok", [x.view(torch.int16).tolist() if x.dtype == torch.bfloat16 else x.tolist()
+                      for x in qfa.quant_flash_attn(*args, **kwargs)]
+    except Exception as error:  # noqa: BLE001 (the comparison is the point)
+        return type(error), str(error)
+
+
+def test_a_traced_call_takes_the_full_path(registry, served, monkeypatch):
+    """Under dynamo (``torch.compiler.is_compiling()``) the known path stands aside."""
+    args = (*case(), *scales())
+    qfa.quant_flash_attn(*args)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    qfa.quant_flash_attn(*args)
+    assert not served
+
+
+def test_the_kernels_settings_are_read_on_a_known_call(monkeypatch):
+    """The key split and tiles the op's module sets now (not when the call was remembered)."""
+    args = (*case(sq=1, skv=1300), *scales())
+    qfa.quant_flash_attn(*args)
+    monkeypatch.setattr(cpu_kernel, "CHUNK_BLOCKS", 1)
+    monkeypatch.setattr(cpu_kernel, "SPLIT_ROWS", 0)
+    assert same(outcome(*args), full_path(*args))
+
+
+def test_remembering_a_known_call_again_evicts_nothing(registry, monkeypatch):
+    monkeypatch.setattr(known_calls, "PLAN_CACHE_SIZE", 2)
+    for skv in (10, 11):
+        qfa.quant_flash_attn(*case(skv=skv), *scales())
+    first = list(registry)
+    known_calls.remember(first[1], registry[first[1]])  # two threads' first calls alike
+    assert list(registry) == first
+
+
 def test_the_registry_is_bounded_and_keeps_the_newest(registry, monkeypatch):
     monkeypatch.setattr(known_calls, "PLAN_CACHE_SIZE", 3)
     for skv in range(10, 16):
@@ -282,6 +351,10 @@ def test_the_dropins_repeated_calls_are_known(planned):
     assert len(planned) == 1 and torch.equal(again.view(torch.int16), first.view(torch.int16))
 
 
+#: quant_flash_attn's defaults (what a call that leaves an option out passes).
+OP_DEFAULTS = {name: p.default for name, p in inspect.signature(qfa.quant_flash_attn).parameters.items()}
+
+
 class KnownCallsMachine(RuleBasedStateMachine):
     """Calls of a few geometries and options, some with refused values, with QFA_NATIVE
     switched and the registry cleared at random. Each is compared with the full path run with
@@ -294,14 +367,18 @@ class KnownCallsMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.saved = known_calls._plans
+        self.saved = known_calls._plans, os.environ.get(cpu_kernel.ENV_VAR)
         known_calls._plans = {}
-        self.model = {}  # (geometry, options) -> its key
+        self.model = set()  # the keys of the calls that succeeded on the kernel
         self.native = True
+        cpu_kernel_env(True)
 
     def teardown(self):
-        known_calls._plans = self.saved
-        cpu_kernel_env(True)
+        known_calls._plans = self.saved[0]
+        if self.saved[1] is None:
+            os.environ.pop(cpu_kernel.ENV_VAR, None)
+        else:
+            os.environ[cpu_kernel.ENV_VAR] = self.saved[1]
 
     @rule(g=st.integers(0, len(GEOMETRIES) - 1), o=st.integers(0, len(OPTIONS) - 1),
           val=st.integers(0, len(VALUES) - 1), seed=st.integers(0, 50))
@@ -315,7 +392,10 @@ class KnownCallsMachine(RuleBasedStateMachine):
         if got[0] != "ok":
             assert known_calls._plans == before
         elif self.native:
-            self.model[(g, o)] = True
+            full = {**OP_DEFAULTS, **kw}
+            self.model.add(known_calls.key_of(*args, full["quant_mode"], full["mask_mode"], full["softmax_scale"],
+                                              full["return_softmax_lse"], (full["layout"], None, None, None, None),
+                                              None))
 
     @rule()
     def switch_native(self):
@@ -329,12 +409,10 @@ class KnownCallsMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_registry_holds_the_models_calls(self):
-        assert len(known_calls._plans) == len(self.model)
+        assert set(known_calls._plans) == self.model
 
 
 def cpu_kernel_env(native: bool) -> None:
-    import os
-
     if native:
         os.environ.pop(cpu_kernel.ENV_VAR, None)
     else:

@@ -385,33 +385,7 @@ def forward(
     ``known_available``: the caller has just seen :func:`available` say True (the op has).
     ``block_table``: paged K/V (the plan's layout_kv PA_*), read in place. ``rotated``: the
     drop-in's epilogue (see :class:`RotatedOutput`), out then in its dtype where it applies."""
-    out, lse, lse_strides, rotate_c = _outputs(plan, q, rotated)
-    _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
-         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, q.device, known_available, block_table, None, fill=True,
-         rotate_c=rotate_c)
-    if rotate_c:  # said once the run has written it (a run that raises leaves the request as it was)
-        rotated.applied = True
-    return out, lse
-
-
-def forward_values(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: float,
-                   k_descale: float, v_descale: float,
-                   rotated: RotatedOutput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`forward` of a HiF8 plan on CPU tensors, K/V not paged and no p_scale, with the
-    descales' values given, checked by the caller (``tiling.check_scale_floats``), and the
-    kernel known to be available: what the op runs for a call like one it checked
-    (:mod:`qfa.attention.known_calls`)."""
-    out, lse, lse_strides, rotate_c = _outputs(plan, q, rotated)
-    _launch(plan, q, k, v, out, plan.out_strides, lse, lse_strides, dscale_of(q_descale, k_descale, plan.softmax_scale),
-            0.0, v_descale, _NO_TABLE, bf16_dot(), True, rotate_c)
-    if rotate_c:
-        rotated.applied = True
-    return out, lse
-
-
-def _outputs(plan: AttentionPlan, q: torch.Tensor, rotated: RotatedOutput | None):
-    """``(out, lse, lse_strides, rotate_c)`` of a :func:`forward`: fresh outputs, and the
-    rotation's normalisation where ``rotated`` applies (else 0)."""
+    device = q.device
     rotate_c = 0.0
     out_dtype = torch.bfloat16
     # (an empty out has no rows to rotate: its bf16 form costs nothing, and its storage no pointer)
@@ -422,12 +396,17 @@ def _outputs(plan: AttentionPlan, q: torch.Tensor, rotated: RotatedOutput | None
     # torch fill here would leave torch's OpenMP worker spinning on the core the kernel needs.
     out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
     if plan.return_lse:
-        lse = torch.empty(lse_shape(q.shape, plan.layout), dtype=torch.float32, device=q.device)
+        lse = torch.empty(lse_shape(q.shape, plan.layout), dtype=torch.float32, device=device)
         lse_strides = plan.lse_strides if lse.numel() else (0, 0, 0)  # the contiguous lse's, as planned
     else:
-        lse = torch.empty(0, dtype=torch.float32, device=q.device)
+        lse = torch.empty(0, dtype=torch.float32, device=device)
         lse_strides = (0, 0, 0)
-    return out, lse, lse_strides, rotate_c
+    _run(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, plan.out_strides, lse, lse_strides,
+         SPLIT_ROWS, CHUNK_BLOCKS, TILE_ROWS, device, known_available, block_table, None, fill=True,
+         rotate_c=rotate_c)
+    if rotate_c:  # said once the run has written it (a run that raises leaves the request as it was)
+        rotated.applied = True
+    return out, lse
 
 
 def run_into(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, lse, *,
