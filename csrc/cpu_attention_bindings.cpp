@@ -90,6 +90,10 @@ const uint8_t* code_bytes(const at::Tensor& t, const char* name) {
   const auto st = t.scalar_type();
   TORCH_CHECK(st == at::kByte || st == at::ScalarType::Float8_e4m3fn || st == at::ScalarType::Float8_e8m0fnu, name,
               ": uint8, float8_e4m3fn or float8_e8m0fnu codes, got ", st);
+  // A wrapper without memory of its own (torch.func.functionalize's) has none to read: refused,
+  // where the kernel would read from address 0.
+  TORCH_CHECK(t.numel() == 0 || t.data_ptr() != nullptr, name,
+              ": a tensor with memory of its own, got one without (a torch.func transform's wrapper?)");
   return static_cast<const uint8_t*>(t.data_ptr());
 }
 

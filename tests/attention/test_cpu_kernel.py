@@ -872,3 +872,23 @@ def test_the_kernel_decodes_with_the_table_of_each_call():
             results.append(quant_flash_attn(q, k, v, ones, ones, ones, 0)[0])
     assert not torch.equal(results[0], results[1]), "the doubled value did not reach the decoder"
     assert torch.equal(results[0], results[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("wrapped", ["q", "k", "v"])
+def test_a_wrapper_without_memory_is_refused_not_read(wrapped):
+    """Under ``torch.func.functionalize`` the op's operands are wrappers whose data pointer is 0:
+    the kernel's binding names the one it was handed instead of reading address 0 (which took
+    the process down)."""
+    import qfa
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (qfa.encode_to_hifloat8(torch.randn(1, n, 5, 128, generator=g)) for n in (4, 2, 2))
+    operands = {"q": q, "k": k, "v": v}
+    scales = [torch.full((1,), 0.5)] * 3
+
+    def call(x):
+        return qfa.quant_flash_attn(*(x if name == wrapped else t for name, t in operands.items()), *scales)[0]
+
+    with pytest.raises(RuntimeError, match=f"^{wrapped}: a tensor with memory of its own"):
+        torch.func.functionalize(call)(operands[wrapped])
