@@ -83,6 +83,13 @@ void check_table(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == at::kFloat && t.numel() == 256 && t.is_contiguous(), name, ": 256 contiguous fp32 values");
 }
 
+// A wrapper without memory of its own (a torch.func.functionalize tensor) has a data pointer of
+// 0: refused, where the kernel would read or write address 0.
+void has_memory(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.numel() == 0 || t.data_ptr() != nullptr, name,
+              ": a tensor with memory of its own, got one without (a torch.func transform's wrapper?)");
+}
+
 // The bytes of a tensor of 8-bit codes: uint8, or the float8 dtypes whose codes the kernel reads
 // as bytes (E4M3 elements, E8M0 scales). Taken as they come: a Python view to uint8 per tensor
 // was a quarter of a mode 1 call's host-side ATen calls.
@@ -90,10 +97,7 @@ const uint8_t* code_bytes(const at::Tensor& t, const char* name) {
   const auto st = t.scalar_type();
   TORCH_CHECK(st == at::kByte || st == at::ScalarType::Float8_e4m3fn || st == at::ScalarType::Float8_e8m0fnu, name,
               ": uint8, float8_e4m3fn or float8_e8m0fnu codes, got ", st);
-  // A wrapper without memory of its own (torch.func.functionalize's) has none to read: refused,
-  // where the kernel would read from address 0.
-  TORCH_CHECK(t.numel() == 0 || t.data_ptr() != nullptr, name,
-              ": a tensor with memory of its own, got one without (a torch.func transform's wrapper?)");
+  has_memory(t, name);
   return static_cast<const uint8_t*>(t.data_ptr());
 }
 
@@ -116,6 +120,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
   check_table(decode_table, "decode_table");
   qfa_kernel::ForwardArgs a;
   a.q = code_bytes(q, "q"); a.k = code_bytes(k, "k"); a.v = code_bytes(v, "v");
+  has_memory(out, "out");
+  has_memory(lse, "lse");
   a.strides = std::move(strides);
   if (fill) {
     // A fresh out / lse: 0 and +inf for the rows no batch owns, set here on the calling thread. A

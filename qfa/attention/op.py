@@ -241,7 +241,13 @@ def _backend(plan: AttentionPlan, requested: str | None):
 
         return kernel
     # the native CPU kernel where it builds, else the pure-torch path (same contract)
-    return cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() else torch_path
+    return cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() and _native_tensors() else torch_path
+
+
+def _native_tensors() -> bool:
+    """Whether tensors are plain memory here: not under a ``torch.func`` transform, where every
+    tensor, the outputs the kernel would write included, is a wrapper with data pointer 0."""
+    return not torch._C._are_functorch_transforms_active()
 
 
 def _scaled_backend(plan: AttentionPlan, requested: str | None):
@@ -249,7 +255,7 @@ def _scaled_backend(plan: AttentionPlan, requested: str | None):
     takes the head dim (``cpu_kernel.forward_scaled``), else the torch path (same contract)."""
     if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import scaled_attention as kernel
-    elif cpu_kernel.supports_scaled(plan):
+    elif cpu_kernel.supports_scaled(plan) and _native_tensors():
         kernel = cpu_kernel
     else:
         from qfa.attention.backends import scaled_torch_path as kernel

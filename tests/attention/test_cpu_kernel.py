@@ -875,20 +875,48 @@ def test_the_kernel_decodes_with_the_table_of_each_call():
 
 
 @needs_kernel
-@pytest.mark.parametrize("wrapped", ["q", "k", "v"])
-def test_a_wrapper_without_memory_is_refused_not_read(wrapped):
-    """Under ``torch.func.functionalize`` the op's operands are wrappers whose data pointer is 0:
-    the kernel's binding names the one it was handed instead of reading address 0 (which took
-    the process down)."""
+def test_under_a_torch_func_transform_no_native_code_runs(monkeypatch):
+    """Under ``torch.func.functionalize`` every tensor, a fresh output too, is a wrapper whose data
+    pointer is 0 (native code would read and write address 0, which took the process down): the
+    op and the preparation take their torch paths, whatever those make of the transform."""
     import qfa
+    from qfa.attention.backends import cpu_prepare
 
     g = torch.Generator().manual_seed(11)
     q, k, v = (qfa.encode_to_hifloat8(torch.randn(1, n, 5, 128, generator=g)) for n in (4, 2, 2))
-    operands = {"q": q, "k": k, "v": v}
     scales = [torch.full((1,), 0.5)] * 3
+    qfa.quant_flash_attn(q, k, v, *scales)  # remembered: the known path must stand aside too
+    ran = []
+    monkeypatch.setattr(cpu_kernel, "forward", lambda *a, **kw: ran.append("kernel"))
+    seen = []
 
     def call(x):
-        return qfa.quant_flash_attn(*(x if name == wrapped else t for name, t in operands.items()), *scales)[0]
+        seen.append(cpu_prepare.usable(x))
+        try:
+            qfa.quant_flash_attn(x, k, v, *scales)
+        except RuntimeError:  # (the torch path's reads of values are not functionalize's)
+            pass
+        return x
+
+    torch.func.functionalize(call)(q)
+    assert seen == [False] and not ran
+    assert cpu_prepare.usable(q)  # outside the transform: native again
+
+
+@needs_kernel
+@pytest.mark.parametrize("wrapped", ["q", "k", "v"])
+def test_the_binding_refuses_a_tensor_without_memory(wrapped):
+    """The kernel's last line of defence: an operand whose data pointer is 0 is named, not read."""
+    import qfa
+
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (qfa.encode_to_hifloat8(torch.randn(1, n, 5, 128, generator=g)) for n in (4, 2, 2))
+    scales = [torch.full((1,), 0.5)] * 3
+    plan = plan_attention(q, k, v, *scales, 0)
+
+    def call(x):
+        operands = {"q": q, "k": k, "v": v} | {wrapped: x}
+        return cpu_kernel.forward(plan, *operands.values(), *scales, None)[0]
 
     with pytest.raises(RuntimeError, match=f"^{wrapped}: a tensor with memory of its own"):
-        torch.func.functionalize(call)(operands[wrapped])
+        torch.func.functionalize(call)({"q": q, "k": k, "v": v}[wrapped])

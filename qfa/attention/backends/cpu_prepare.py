@@ -231,9 +231,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the native code can take these tensors: all on the CPU, not being traced by
-    ``torch.compile`` (dynamo traces the torch paths, which compute the same bits), and the
-    extension available."""
-    if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+    ``torch.compile`` (dynamo traces the torch paths, which compute the same bits), no
+    ``torch.func`` transform active, and the extension available. (Under a transform such as
+    ``functionalize`` a tensor, a fresh output too, is a wrapper whose data pointer is 0: the
+    native passes would read and write address 0.)"""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or any(t.device.type != "cpu" for t in tensors)):
         return False
     return available()
 
