@@ -12,6 +12,8 @@ caused them:
 * a failure tied to the inputs (a dtype, rank or ``requires_grad`` the graph does not take) is
   remembered for that input *signature* (:func:`signature`): calls with that signature run in
   eager torch, every other signature still runs compiled, exactly as before the failure;
+* a call under a TorchDispatchMode (a FLOP counter, ``FakeTensorMode``) is not compiled at all:
+  dynamo refuses every frame there, whatever the inputs, so it runs eagerly and leaves no mark;
 * an environmental failure (no working C++ compiler, a missing tool or library: the exception
   or one of its causes is an ``OSError``, ``ImportError`` or one of inductor's compiler errors,
   see :func:`is_environmental`) marks the function broken for the rest of the process: no input
@@ -31,7 +33,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from qfa import _environ
+from qfa import _environ, _plain_memory
 
 ENV_VAR = "QFA_COMPILE"
 #: Graphs one function may compile (shapes of size 1, and sizes that happen to be equal, each
@@ -81,11 +83,12 @@ def limits():
 
 
 def signature(args) -> tuple:
-    """What a compile failure is remembered by: per argument, a tensor's dtype, rank, device
-    type and ``requires_grad`` (the properties a graph specialises on; sizes are dynamic), or
-    the type of anything else (None, a Python number ...)."""
+    """What a compile failure is remembered by: per argument, a tensor's type (a subclass that
+    dynamo cannot trace fails for itself alone), dtype, rank, device type and ``requires_grad``
+    (the properties a graph specialises on; sizes are dynamic), or the type of anything else
+    (None, a Python number ...)."""
     return tuple(
-        (a.dtype, a.dim(), a.device.type, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
+        (type(a), a.dtype, a.dim(), a.device.type, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
         for a in args
     )
 
@@ -107,9 +110,12 @@ def is_environmental(exc: BaseException) -> bool:
 
 
 def enabled(fn: Callable, device: torch.device, args: tuple = ()) -> bool:
-    """Whether ``fn(*args)`` runs compiled: on CPU, unless ``QFA_COMPILE=0``, ``fn`` is broken
-    for good, or its compile failed before for this :func:`signature` of ``args``."""
-    if device.type != "cpu" or _environ.read(ENV_VAR, "1") == "0" or fn in _failed:
+    """Whether ``fn(*args)`` runs compiled: on CPU, unless ``QFA_COMPILE=0``, a TorchDispatchMode
+    is active (dynamo refuses to compile under one: that call runs eagerly, and nothing is
+    remembered, since the mode and not the inputs stood in the way), ``fn`` is broken for good,
+    or its compile failed before for this :func:`signature` of ``args``."""
+    if device.type != "cpu" or _environ.read(ENV_VAR, "1") == "0" or fn in _failed or \
+            _plain_memory.dispatch_mode_active():
         return False
     failed = _failed_signatures.get(fn)
     return not failed or signature(args) not in failed

@@ -69,8 +69,8 @@ LAYERS = [
     ("tools", ("qfa.tools", "qfa.cli", "qfa.__main__")),
 ]
 #: Shared by every layer: backend choice, the compile helper, the moved-path aliases, C++ sources,
-#: the environment switches' reader.
-BASE = ("qfa.backends", "qfa._compile", "qfa._moved", "qfa.csrc", "qfa._environ")
+#: the environment switches' reader, when native code may take tensors.
+BASE = ("qfa.backends", "qfa._compile", "qfa._moved", "qfa.csrc", "qfa._environ", "qfa._plain_memory")
 #: (importing layer, imported module) pairs allowed to point upward, each with its reason:
 #: the cast's CPU encode runs the native encoder, which shares the attention kernel's build (and
 #: is imported on first use only, so that importing the cast loads no attention module).

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from qfa import _environ, backends
+from qfa import _environ, _plain_memory, backends
 from qfa.attention.backends import cpu_kernel
 from qfa.tiling.attention import PLAN_CACHE_SIZE, AttentionPlan
 from qfa.tiling.attention_checks import check_scale_values
@@ -55,7 +55,7 @@ def key_of(q, k, v, q_descale, k_descale, v_descale, quant_mode, mask_mode, soft
     for option in (quant_mode, mask_mode, softmax_scale, return_softmax_lse):
         if type(option) not in _OPTION_TYPES:  # (a list would not even hash)
             return None
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():  # the torch path's cases
+    if not _plain_memory.now():  # tracing, a torch.func transform or a dispatch mode: the torch path's cases
         return None
     # types beside values: True == 1 and 1 == 1.0 hash alike, but the checks take only some of them
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, q.is_cpu, k.is_cpu,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from qfa import backends
+from qfa import _plain_memory, backends
 from qfa.attention import known_calls, nz_layout
 from qfa.attention.backends import cpu_kernel, paged, torch_path
 from qfa.cast.api import as_codes
@@ -202,8 +202,10 @@ def quant_flash_attn(
         )
     if plan.device.type == "meta":  # shapes only, as a meta tensor promises
         return plan.new_outputs()
+    tensors = (q, k, v, q_descale, k_descale, v_descale, p_scale, block_table, cu_seqlens_q, cu_seqlens_kv, seqused_q,
+               seqused_kv, attn_mask, sinks)
     if plan.meta.quant_mode != QuantMode.HIF8_PER_TENSOR:
-        kernel = _scaled_backend(plan, backend)
+        kernel = _scaled_backend(plan, backend, tensors)
         if kernel is cpu_kernel:
             # Fresh outputs, the descales read as values: no graph to keep out (no no_grad).
             # supports_scaled has just seen available() say True.
@@ -213,7 +215,7 @@ def quant_flash_attn(
             return kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, block_table=block_table)
     if q.dtype != torch.uint8:  # the plan checked that q, k and v share one HiF8 dtype
         q, k, v = as_codes(q, "q"), as_codes(k, "k"), as_codes(v, "v")
-    kernel = _backend(plan, backend)
+    kernel = _backend(plan, backend, tensors)
     if kernel is cpu_kernel and not plan.paged:  # reads the descales' values, builds no graph: no no_grad
         # _rotated_output: the HiF8 drop-in's epilogue (qfa.dropin.eager), for no one else
         result = kernel.forward(plan, q, k, v, q_descale, k_descale, v_descale, p_scale, known_available=True,
@@ -235,27 +237,25 @@ def _unset(value) -> bool:
     return type(value) is int and value == -1
 
 
-def _backend(plan: AttentionPlan, requested: str | None):
+def _backend(plan: AttentionPlan, requested: str | None, tensors: tuple):
+    """The HiF8 mode's kernel: Triton on devices; on CPU the native kernel where it builds and
+    ``tensors`` (every tensor argument) are plain memory it may use (:mod:`qfa._plain_memory`),
+    else the torch path (same contract)."""
     if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import attention as kernel
 
         return kernel
     # the native CPU kernel where it builds, else the pure-torch path (same contract)
-    return cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() and _native_tensors() else torch_path
+    return cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() and _plain_memory.tensors(*tensors) \
+        else torch_path
 
 
-def _native_tensors() -> bool:
-    """Whether tensors are plain memory here: not under a ``torch.func`` transform, where every
-    tensor, the outputs the kernel would write included, is a wrapper with data pointer 0."""
-    return not torch._C._are_functorch_transforms_active()
-
-
-def _scaled_backend(plan: AttentionPlan, requested: str | None):
+def _scaled_backend(plan: AttentionPlan, requested: str | None, tensors: tuple):
     """Modes 1 and 6: the Triton kernel on devices; on CPU the native kernel where it builds and
     takes the head dim (``cpu_kernel.forward_scaled``), else the torch path (same contract)."""
     if backends.resolve(plan.device, requested) == "triton":
         from qfa.kernels import scaled_attention as kernel
-    elif cpu_kernel.supports_scaled(plan) and _native_tensors():
+    elif cpu_kernel.supports_scaled(plan) and _plain_memory.tensors(*tensors):
         kernel = cpu_kernel
     else:
         from qfa.attention.backends import scaled_torch_path as kernel

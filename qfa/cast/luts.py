@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from qfa import _plain_memory
 from qfa.cast import format as fmt
 
 #: Dtypes that encode takes and decode produces, with the integer view of their bit patterns.
@@ -44,7 +45,8 @@ def _cached(key: tuple, device: torch.device, build: Callable[[], torch.Tensor])
         with _lock:
             table = _cache.get(full_key)
             if table is None:
-                table = build().to(device)
+                with _plain_memory.host_constant():
+                    table = build().to(device)
                 _cache[full_key] = table
     return table
 

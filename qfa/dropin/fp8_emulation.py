@@ -46,17 +46,17 @@ def fp8_e4m3_attention(
     group = Nq // Nkv
     kf = kf.repeat_interleave(group, dim=1)
     vf = vf.repeat_interleave(group, dim=1)
-    out = torch.empty(B, Nq, Sq, D)
-    keys = torch.arange(Skv)
+    out = torch.empty(B, Nq, Sq, D, device=q.device)
+    keys = torch.arange(Skv, device=q.device)
     for r0 in range(0, Sq, _ROW_CHUNK):
         r1 = min(Sq, r0 + _ROW_CHUNK)
         s = qf[:, :, r0:r1] @ kf.transpose(-1, -2) * scale
         if is_causal:  # bottom-right aligned, like the HiF8 op
-            rows = torch.arange(r0, r1).unsqueeze(-1)
+            rows = torch.arange(r0, r1, device=q.device).unsqueeze(-1)
             s = s.masked_fill(keys > rows + (Skv - Sq), float("-inf"))
         m = s.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
         p = torch.exp(s - m)
         l = p.sum(dim=-1, keepdim=True)
         p8 = (p * E4M3_MAX).to(E4M3).float() / E4M3_MAX
-        out[:, :, r0:r1] = torch.where(l > 0, (p8 @ vf) / l.clamp_min(1e-30), torch.zeros(()))
+        out[:, :, r0:r1] = torch.where(l > 0, (p8 @ vf) / l.clamp_min(1e-30), torch.zeros((), device=q.device))
     return rotation.rotate(out) if rotate else out

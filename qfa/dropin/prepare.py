@@ -114,11 +114,11 @@ def _finish(reduction: cal.Reduction, sumsq: float, amax: float, count: int, nam
     cache-cold call (after SDPA's, in a model) takes many times its warm time for each."""
     stats = (sumsq, float(count)) if reduction is cal.RMS_REDUCTION else (amax,)
     if reduction.finish_value is None:  # pass 1 computes only the built-in reductions, which have it
-        scale = cal.check_scale(reduction.finish(torch.tensor(stats, dtype=torch.float64), name),
+        scale = cal.check_scale(reduction.finish(torch.tensor(stats, dtype=torch.float64, device="cpu"), name),
                                 f"{name} scale from calibration rule")
         return scale, float(scale)
     value = cpu_kernel.round_fp32(reduction.finish_value(stats, name))
-    scale = torch.full((1,), value, dtype=torch.float32)
+    scale = torch.full((1,), value, dtype=torch.float32, device="cpu")
     if not 0 < value < math.inf:  # what check_scale refuses: it raises, naming it
         cal.check_scale(scale, f"{name} scale from calibration rule")
     return scale, value
@@ -128,7 +128,7 @@ def key_means(k: torch.Tensor, layout: str, segs: Sequence[int]) -> torch.Tensor
     """The K means (sequences, N, 128), fp32, of the valid rows of ``segs`` (native pass)."""
     k = _rows(k)
     strides, heads = row_strides(k, layout)
-    mu = torch.empty(len(segs) // 4, heads, HEAD_DIM, dtype=torch.float32)
+    mu = torch.empty(len(segs) // 4, heads, HEAD_DIM, dtype=torch.float32, device="cpu")
     cpu_prepare.key_means(k, strides, segs, heads, mu)
     return mu
 
@@ -167,11 +167,11 @@ def encode_tensors(items: Sequence[Rows], layout: str, *, rotate: bool, reductio
         mu, compute = it.mean, False
         if it.smooth and mu is None:
             if it.scale is None:  # pass 1 computes the means first
-                mu, compute = torch.empty(len(it.segs) // 4, heads, HEAD_DIM, dtype=torch.float32), True
+                mu, compute = torch.empty(len(it.segs) // 4, heads, HEAD_DIM, dtype=torch.float32, device="cpu"), True
             else:
                 mu = key_means(x, layout, it.segs)
         mu = mu if it.smooth else None
-        out = torch.empty(x.shape, dtype=torch.uint8)
+        out = torch.empty(x.shape, dtype=torch.uint8, device="cpu")
         passes.append(cpu_prepare.RowPass(x, strides, it.segs, heads, rotate, mu, compute, out,
                                           row_strides(out, layout)[0]))
         mus.append(mu)
@@ -538,7 +538,7 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
     mean, scale = _check_tokens(x, mean, rotate, scale, calibration)
     if scale is not None:
         codes, saturated = StaticEncoding._checked(scale, mean, rotate).encode(x)
-        return codes, scale, torch.tensor(saturated, dtype=torch.int64)
+        return codes, scale, torch.tensor(saturated, dtype=torch.int64, device=x.device)
     reduction = fused_reduction(calibration)
     if native_rows(x) and (mean is None or mean.device.type == "cpu") and reduction is not None:
         segs = [0, 0, x.shape[0], x.shape[0]]
@@ -547,7 +547,7 @@ def encode_tokens(x: torch.Tensor, *, mean: Optional[torch.Tensor] = None, rotat
                            mean=mu, name="x")
         if done is not None:
             codes, scale, _, saturated = done
-            return codes, scale, torch.tensor(saturated, dtype=torch.int64)
+            return codes, scale, torch.tensor(saturated, dtype=torch.int64, device=x.device)
     y = x.float() if mean is None else x.float() - mean
     y = rotation.rotate(y) if rotate else y
     cal.check_finite(y, "x")

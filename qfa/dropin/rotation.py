@@ -25,6 +25,7 @@ import struct
 
 import torch
 
+from qfa import _plain_memory
 from qfa.attention.backends import cpu_prepare
 
 
@@ -50,15 +51,17 @@ def normalisation(n: int) -> float:
 @functools.lru_cache(maxsize=8)
 def _hadamard_cpu(n: int) -> torch.Tensor:
     _check_size(n)
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:  # Sylvester's construction
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * normalisation(n)).to(torch.float32)
+    with _plain_memory.host_constant():
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:  # Sylvester's construction
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return (h * normalisation(n)).to(torch.float32)
 
 
 @functools.lru_cache(maxsize=16)
 def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
-    return _hadamard_cpu(n).to(device)
+    with _plain_memory.host_constant():
+        return _hadamard_cpu(n).to(device)
 
 
 def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -437,9 +437,9 @@ def _table_of(plan: AttentionPlan, block_table: torch.Tensor | None) -> torch.Te
     return block_table if block_table.stride(1) == 1 else block_table.contiguous()
 
 
-_NO_TABLE = torch.empty(0, 0, dtype=torch.int32)
-_NO_SCALE = torch.empty(0)
-_NO_LSE = torch.empty(0, dtype=torch.float32)
+_NO_TABLE = torch.empty(0, 0, dtype=torch.int32, device="cpu")
+_NO_SCALE = torch.empty(0, device="cpu")
+_NO_LSE = torch.empty(0, dtype=torch.float32, device="cpu")
 
 
 def _run(plan: AttentionPlan, q, k, v, q_descale, k_descale, v_descale, p_scale, out, out_strides, lse,
@@ -540,14 +540,14 @@ MIN_BF16_E8M0 = 73
 def _e4m3_table() -> torch.Tensor:
     global _e4m3
     if _e4m3 is None:  # torch's fp8 cast, as the torch path's ``_values``: every E4M3 value is an fp32
-        _e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+        _e4m3 = torch.arange(256, dtype=torch.uint8, device="cpu").view(torch.float8_e4m3fn).to(torch.float32)
     return _e4m3
 
 
 def _e8m0_table() -> torch.Tensor:
     global _e8m0
     if _e8m0 is None:  # as the torch path's ``_expand``
-        _e8m0 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).to(torch.float32)
+        _e8m0 = torch.arange(256, dtype=torch.uint8, device="cpu").view(torch.float8_e8m0fnu).to(torch.float32)
     return _e8m0
 
 
@@ -646,12 +646,12 @@ def forward_scaled(
     if mode not in (QuantMode.MXFP8, QuantMode.FP8_PER_TOKEN_HEAD):
         raise ValueError(f"forward_scaled runs quant_mode 1 or 6, got {mode}")
     table = _table_of(plan, block_table)
-    out = torch.empty(plan.out_shape, dtype=torch.bfloat16)
+    out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device="cpu")
     if plan.return_lse:
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device="cpu")
         lse_strides = plan.lse_strides if lse.numel() else (0, 0, 0)
     else:
-        lse = torch.empty(0, dtype=torch.float32)
+        lse = torch.empty(0, dtype=torch.float32, device="cpu")
         lse_strides = (0, 0, 0)
     if bf16_dot is None:
         # bf16_dot() with the module known to be loaded (it would ask available() once more)

@@ -55,7 +55,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from qfa import csrc
+from qfa import _plain_memory, csrc
 from qfa.attention.backends import cpu_kernel
 from qfa.cast import format as fmt
 from qfa.cast import rounding
@@ -230,15 +230,11 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the native code can take these tensors: all on the CPU, not being traced by
-    ``torch.compile`` (dynamo traces the torch paths, which compute the same bits), no
-    ``torch.func`` transform active, and the extension available. (Under a transform such as
-    ``functionalize`` a tensor, a fresh output too, is a wrapper whose data pointer is 0: the
-    native passes would read and write address 0.)"""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or any(t.device.type != "cpu" for t in tensors)):
-        return False
-    return available()
+    """Whether the native code can take these tensors: plain CPU memory with nothing intercepting
+    torch's operations (:func:`qfa._plain_memory.tensors`),
+    and the extension available. Called with no tensors, the same for tensors the caller has
+    checked itself."""
+    return _plain_memory.tensors(*tensors) and available()
 
 
 def module() -> ctypes.CDLL:
@@ -303,6 +299,9 @@ def _isa(isa: int | None) -> int:
     return ISA if isa is None else isa
 
 
+_addr = _plain_memory.address
+
+
 def _checked(result: int, what: str) -> int:
     if result < 0:
         raise RuntimeError(f"qfa cpu_prepare.{what}: the SIMD level asked for is not supported by this CPU")
@@ -315,12 +314,12 @@ def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int | No
     tensor of x's shape, or into ``out`` (contiguous, that dtype and shape; it must not overlap
     x) (finite values beyond a narrower dtype's range saturate)."""
     if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype)
+        out = torch.empty(x.shape, dtype=out_dtype, device="cpu")
     elif out.dtype != out_dtype or out.shape != x.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {tuple(x.shape)}, got {out.dtype} "
                          f"{tuple(out.shape)}")
     if x.numel():
-        _checked(module().qfa_rotate_rows(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), DTYPE_CODES[out_dtype],
+        _checked(module().qfa_rotate_rows(_addr(x, "x"), DTYPE_CODES[x.dtype], _addr(out, "out"), DTYPE_CODES[out_dtype],
                                           x.numel() // 128, c, torch.get_num_threads(), _isa(isa)), "rotate_rows")
     return out
 
@@ -328,9 +327,9 @@ def rotate_rows(x: torch.Tensor, out_dtype: torch.dtype, c: float, isa: int | No
 def encode_flat(x: torch.Tensor, inf_mode: bool = False, isa: int | None = None) -> torch.Tensor:
     """HiF8 codes (uint8, x's shape) of a contiguous float ``x``: overflow ``"saturate"``, or
     ``"inf"`` with ``inf_mode``."""
-    out = torch.empty(x.shape, dtype=torch.uint8)
+    out = torch.empty(x.shape, dtype=torch.uint8, device="cpu")
     if x.numel():
-        _checked(module().qfa_encode_flat(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), x.numel(), int(inf_mode),
+        _checked(module().qfa_encode_flat(_addr(x, "x"), DTYPE_CODES[x.dtype], _addr(out, "out"), x.numel(), int(inf_mode),
                                           torch.get_num_threads(), _isa(isa)), "encode_flat")
     return out
 
@@ -345,8 +344,8 @@ def _token_args(x: torch.Tensor, mean: torch.Tensor | None) -> tuple:
                              or tuple(mean.shape) != (x.shape[1], 128)):
         raise ValueError(f"mean must be a contiguous fp32 (heads, 128) = {(x.shape[1], 128)} tensor, got "
                          f"{mean.dtype} {tuple(mean.shape)}")
-    return (x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0), x.stride(1),
-            None if mean is None else mean.data_ptr())
+    return (_addr(x, "x"), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+            None if mean is None else _addr(mean, "mean"))
 
 
 def encode_token_rows(x: torch.Tensor, scale: float, c: float, *, mean: torch.Tensor | None = None,
@@ -368,15 +367,15 @@ def token_encoder(dtype: torch.dtype, heads: int, strides: Sequence[int], scale:
     it: the function holds its address."""
     fn, dt, isa = module().qfa_encode_tokens, DTYPE_CODES[dtype], _isa(isa)
     st, sh = strides[0], strides[1]
-    mu = None if mean is None else mean.data_ptr()
+    mu = None if mean is None else _addr(mean, "mean")
     row_bytes = heads * 128
 
     def encode(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         tokens = x.shape[0]
-        out = torch.empty((tokens, heads, 128), dtype=torch.uint8)
+        out = torch.empty((tokens, heads, 128), dtype=torch.uint8, device="cpu")
         sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
         if tokens:
-            _checked(fn(x.data_ptr(), dt, tokens, heads, st, sh, mu, int(rotate), c, scale, out.data_ptr(), None, 0,
+            _checked(fn(_addr(x, "x"), dt, tokens, heads, st, sh, mu, int(rotate), c, scale, _addr(out, "out"), None, 0,
                         tokens, 1, 0, 128, row_bytes, torch.get_num_threads(), isa, ctypes.byref(sat),
                         ctypes.byref(bad)), "encode_token_rows")
         return out, sat.value
@@ -427,7 +426,7 @@ def write_token_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, 
         return 0
     sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
     blocks, _, block_size, _ = cache.shape
-    result = module().qfa_encode_tokens(*args, int(rotate), c, scale, cache.data_ptr(), slots.data_ptr(),
+    result = module().qfa_encode_tokens(*args, int(rotate), c, scale, _addr(cache, "cache"), _addr(slots, "slots"),
                                         int(slots.dtype == torch.int32), block_size, blocks, cache.stride(0),
                                         cache.stride(1), cache.stride(2), torch.get_num_threads(), _isa(isa),
                                         ctypes.byref(sat), ctypes.byref(bad))
@@ -472,15 +471,16 @@ def kv_writer(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, 
     heads, (k_st, k_sh), (v_st, v_sh) = k_cache.shape[1], k_strides[:2], v_strides[:2]
     blocks, _, block_size, _ = k_cache.shape
     s_block, s_head, s_slot = k_cache.stride()[:3]
-    k_ptr, v_ptr, mu = k_cache.data_ptr(), v_cache.data_ptr(), None if mean is None else mean.data_ptr()
+    k_ptr, v_ptr = _addr(k_cache, "k_cache"), _addr(v_cache, "v_cache")
+    mu = None if mean is None else _addr(mean, "mean")
 
     def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> int | SlotRefused:
         tokens = k.shape[0]
         if tokens == 0:
             return 0
         sat, bad = ctypes.c_int64(0), ctypes.c_int64(-1)
-        result = fn(k.data_ptr(), v.data_ptr(), dt, tokens, heads, k_st, k_sh, v_st, v_sh, mu, int(rotate), c,
-                    k_scale, v_scale, k_ptr, v_ptr, slots.data_ptr(), int(slots.dtype == torch.int32), block_size,
+        result = fn(_addr(k, "k"), _addr(v, "v"), dt, tokens, heads, k_st, k_sh, v_st, v_sh, mu, int(rotate), c,
+                    k_scale, v_scale, k_ptr, v_ptr, _addr(slots, "slots"), int(slots.dtype == torch.int32), block_size,
                     blocks, s_block, s_head, s_slot, torch.get_num_threads(), isa, ctypes.byref(sat),
                     ctypes.byref(bad))
         return _slot_result(result, bad, sat, "write_kv_rows")
@@ -490,10 +490,10 @@ def kv_writer(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, 
 def quantize_flat(x: torch.Tensor, scale: float, isa: int | None = None) -> tuple[torch.Tensor, int]:
     """``(codes, saturated)``: the codes of ``x / scale`` (fp32 division, saturating) of a
     contiguous float ``x`` and the number of finite quotients at or beyond the overflow threshold."""
-    out = torch.empty(x.shape, dtype=torch.uint8)
+    out = torch.empty(x.shape, dtype=torch.uint8, device="cpu")
     sat = 0
     if x.numel():
-        sat = _checked(module().qfa_quantize_flat(x.data_ptr(), DTYPE_CODES[x.dtype], out.data_ptr(), x.numel(), scale,
+        sat = _checked(module().qfa_quantize_flat(_addr(x, "x"), DTYPE_CODES[x.dtype], _addr(out, "out"), x.numel(), scale,
                                                   torch.get_num_threads(), _isa(isa)), "quantize_flat")
     return out, sat
 
@@ -544,12 +544,12 @@ def _structs(passes: Sequence[RowPass], encode: bool) -> tuple[ctypes.Array, lis
             _check_rows(p.out, p.out_strides, p.segments, p.heads, "out")
         strides, segs, out_strides = _ints(p.strides), _ints(p.segments), _ints(p.out_strides)
         keep += [strides, segs, out_strides]
-        t.x, t.dt, t.nseg, t.heads, t.rotate = p.x.data_ptr(), DTYPE_CODES[p.x.dtype], len(p.segments) // 4, p.heads, \
+        t.x, t.dt, t.nseg, t.heads, t.rotate = _addr(p.x, "x"), DTYPE_CODES[p.x.dtype], len(p.segments) // 4, p.heads, \
             int(p.rotate)
         t.strides, t.segs, t.out_strides = ctypes.addressof(strides), ctypes.addressof(segs), ctypes.addressof(out_strides)
-        t.mean = None if p.mean is None else p.mean.data_ptr()
+        t.mean = None if p.mean is None else _addr(p.mean, "mean")
         t.compute_mean = int(p.compute_mean)
-        t.out = None if p.out is None else p.out.data_ptr()
+        t.out = None if p.out is None else _addr(p.out, "out")
         t.scale = float(p.scale)
     return arr, keep
 
@@ -583,8 +583,8 @@ def key_means(x: torch.Tensor, strides, segments, heads: int, mean_out: torch.Te
     if mean_out is None:
         raise ValueError("mean_out must be a contiguous fp32 (segments, heads, 128) tensor, got None")
     _check_mean(mean_out, segments, heads, "mean_out")
-    module().qfa_key_means(x.data_ptr(), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments), len(segments) // 4,
-                           heads, mean_out.data_ptr(), torch.get_num_threads())
+    module().qfa_key_means(_addr(x, "x"), DTYPE_CODES[x.dtype], _ints(strides), _ints(segments), len(segments) // 4,
+                           heads, _addr(mean_out, "mean_out"), torch.get_num_threads())
 
 
 def encode_many(passes: Sequence[RowPass], c: float, isa: int | None = None) -> list[int]:

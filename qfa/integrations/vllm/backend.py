@@ -142,12 +142,13 @@ def _plan_key(codes: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float) 
     return codes.shape, k_cache.shape, k_cache.stride(), softmax_scale
 
 
-def runs_native(device: torch.device) -> bool:
+def runs_native(device: torch.device, *tensors: torch.Tensor) -> bool:
     """Whether the op runs the backend's calls on the native kernel and the output's rotation on
     the native pass (the kernel's epilogue computes the same bits): then a step's later layers
-    run the plan its first layer's op call checked."""
+    run the plan its first layer's op call checked. ``tensors``: the call's own (plain memory,
+    nothing intercepting torch: :mod:`qfa._plain_memory`)."""
     return device.type == "cpu" and resolve(device) != "triton" and cpu_kernel.available() and \
-        cpu_prepare.available()
+        cpu_prepare.usable(*tensors)
 
 
 class QfaMetadataBuilder(AttentionMetadataBuilder[QfaMetadata]):
@@ -330,7 +331,7 @@ class QfaHiF8Impl(AttentionImpl):
         queries = self._query_encoding(state, q_scale)
         codes = queries.encode(q)[0]
         k_cache, v_cache = self._cache_views(kv_cache)
-        native = runs_native(q.device)
+        native = runs_native(q.device, q, kv_cache, out)
         plan = attn_metadata.bound_plan(codes, k_cache, self.scale) if native else None
         if plan is not None:
             self._run_bound(plan, attn_metadata, codes, k_cache, v_cache, queries, state, out)
