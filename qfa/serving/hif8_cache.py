@@ -365,7 +365,7 @@ class HiF8Layer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._select(torch.arange(self._k_store.shape[0]).repeat_interleave(repeats))
+            self._select(torch.arange(self._k_store.shape[0], device=self._k_store.device).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("HiF8Cache cannot be cropped (its rows are compacted, padding removed)")

@@ -242,9 +242,9 @@ class PagedHiF8Cache:
         """int32 (B, max blocks) physical block indices; unused entries are 0 (a valid index)."""
         rows = [self._blocks[s] for s in self._known_ids(seq_ids)]
         width = max([len(r) for r in rows] + [1])
-        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        table = torch.zeros(len(rows), width, dtype=torch.int32, device="cpu")  # filled on the host, then moved
         for b, r in enumerate(rows):
-            table[b, :len(r)] = torch.tensor(r, dtype=torch.int32)
+            table[b, :len(r)] = torch.tensor(r, dtype=torch.int32, device="cpu")
         return table.to(self.device)
 
     def seqused_kv(self, layer: int, seq_ids: Sequence[Hashable]) -> torch.Tensor:
