@@ -84,10 +84,13 @@ void check_table(const at::Tensor& t, const char* name) {
 }
 
 // A wrapper without memory of its own (a torch.func.functionalize tensor) has a data pointer of
-// 0: refused, where the kernel would read or write address 0.
+// 0: refused, where the kernel would read or write address 0. So is a tensor whose values are not
+// its memory's (a negative or conjugate view: its bytes hold the values before the flip).
 void has_memory(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.numel() == 0 || t.data_ptr() != nullptr, name,
               ": a tensor with memory of its own, got one without (a torch.func transform's wrapper?)");
+  TORCH_CHECK(!t.is_neg() && !t.is_conj(), name,
+              ": a tensor whose memory holds its values, got a negative or conjugate view (resolve_neg() it)");
 }
 
 // The bytes of a tensor of 8-bit codes: uint8, or the float8 dtypes whose codes the kernel reads
@@ -165,6 +168,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std:
     TORCH_CHECK(q_scale.dtype() == at::kFloat && k_scale.dtype() == at::kFloat && v_descale_heads.dtype() == at::kFloat &&
                 v_descale_heads.numel() == heads_kv && v_descale_heads.is_contiguous() &&
                 q_scale_strides.size() == 2 && k_scale_desc.size() == 3, "mode 6 scales: fp32 tensors and their strides");
+    has_memory(q_scale, "q_scale");
+    has_memory(k_scale, "k_scale");
+    has_memory(v_descale_heads, "v_descale");
     a.q_scale = q_scale.data_ptr<float>();
     a.k_scale = k_scale.data_ptr<float>();
     a.v_descale_heads = v_descale_heads.data_ptr<float>();

@@ -12,6 +12,8 @@ compute the same bits through torch's own operations, which every mode and subcl
   no memory, and any mode expects to see the work.
 * **A tensor subclass**: a wrapper subclass (``_make_wrapper_subclass``) has data pointer 0, and
   any subclass defines what its operations mean.
+* **A negative or conjugate view** (``x.conj().imag``, ``torch._neg_view``): its memory holds
+  the values before the flip, which torch applies lazily.
 
 Native code that allocates an output names ``device="cpu"``: under a default-device context
 (``with torch.device("meta")``, ``torch.set_default_device("cuda")``) a bare ``torch.empty``
@@ -46,23 +48,28 @@ def now() -> bool:
 
 def tensors(*ts: torch.Tensor | None) -> bool:
     """Whether native code may take these tensors now (None entries are skipped): :func:`now`,
-    and each one a plain (not subclassed, not nested) strided tensor on the CPU."""
+    and each one a plain (not subclassed, not nested) strided tensor on the CPU whose memory holds
+    its values (no negative or conjugate bit)."""
     if not now():
         return False
     for t in ts:
         if t is not None and (type(t) not in PLAIN_TYPES or t.layout is not torch.strided or t.is_nested
-                              or t.device.type != "cpu"):
+                              or t.device.type != "cpu" or t.is_neg() or t.is_conj()):
             return False
     return True
 
 
 def address(t: torch.Tensor, name: str) -> int:
     """``t``'s data pointer for native code; a RuntimeError naming ``name`` where ``t`` has
-    elements but no memory (the routing above should never let one through)."""
+    elements but no memory, or memory that does not hold its values (a negative or conjugate
+    view). The routing above should never let either through."""
     pointer = t.data_ptr()
     if not pointer and t.numel():
         raise RuntimeError(f"{name}: a tensor with memory of its own, got one without (a {type(t).__name__} on "
                            f"{t.device}: a wrapper, a fake tensor or a torch.func transform's?)")
+    if t.is_neg() or t.is_conj():
+        raise RuntimeError(f"{name}: a tensor whose memory holds its values, got a negative or conjugate view "
+                           f"(resolve_neg() it)")
     return pointer
 
 

@@ -259,3 +259,73 @@ def test_prepare_passes_under_a_default_device_allocate_on_the_cpu():
     assert got.device.type == "cpu" and torch.equal(got, want)
     assert rotated.device.type == "cpu"
     assert torch.equal(rotated, cpu_prepare.rotate_rows(x.contiguous(), torch.float32, rotation.normalisation(128)))
+
+
+# --- negative views ------------------------------------------------------------------------------
+
+def neg_view(x: torch.Tensor) -> torch.Tensor:
+    """x as a view with the negative bit set: its memory holds -x."""
+    view = torch._neg_view(-x)
+    assert view.is_neg() and torch.equal(view, x)
+    return view
+
+
+def test_a_negative_view_is_not_plain_memory():
+    x = torch.randn(4, 128)
+    public = torch.complex(torch.zeros_like(x), -x).conj().imag  # the same by public calls (fp32 / fp64 only)
+    assert public.is_neg() and not _plain_memory.tensors(public)
+    assert not _plain_memory.tensors(neg_view(x)) and _plain_memory.tensors(neg_view(x).resolve_neg())
+    with pytest.raises(RuntimeError, match=r"^x: a tensor whose memory holds its values, got a negative"):
+        _plain_memory.address(neg_view(x), "x")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cast_of_a_negative_view_is_the_cast_of_its_values(dtype):
+    """The native encoder read a negative view's memory (the codes of -x); the torch path's bit
+    view refused it."""
+    x = (torch.randn(3000) * 100).to(dtype)
+    assert torch.equal(qfa.encode_to_hifloat8(neg_view(x)), qfa.encode_to_hifloat8(x))
+    assert torch.equal(qfa.encode_to_hifloat8(torch._neg_view(x)), qfa.encode_to_hifloat8(-x))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QFA_NATIVE", "0")
+        assert torch.equal(qfa.encode_to_hifloat8(neg_view(x)), qfa.encode_to_hifloat8(x))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_dropin_takes_a_negative_view_as_its_values(which):
+    q, k, v = _qkv(2)
+    want = qfa.hif8_attention(q, k, v)
+    args = {"q": q, "k": k, "v": v}
+    args[which] = neg_view(args[which])
+    assert torch.equal(bits(qfa.hif8_attention(**args)), bits(want))
+
+
+def _fp8_call(seed: int = 3):
+    """A small mode 6 call (one sequence of 200 queries and keys): args and options."""
+    from qfa.cast import fp8
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, 200, 128, generator=g) * torch.exp(torch.randn(4, 200, 1, generator=g))
+    k = torch.randn(2, 2, 128, 128, generator=g) * torch.exp(torch.randn(2, 2, 128, 1, generator=g))
+    v = torch.randn(2, 2, 128, 128, generator=g)
+    (qe, qs), (ke, ks), (ve, vs) = fp8.quantize_per_token_head(q), fp8.quantize_per_token_head(k), \
+        fp8.quantize_per_head(v, 1)
+    options = dict(block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+                   cu_seqlens_q=torch.tensor([0, 200], dtype=torch.int32),
+                   seqused_kv=torch.tensor([200], dtype=torch.int32), p_scale=torch.tensor([448.0]),
+                   return_softmax_lse=True)
+    return [qe, ke, ve, qs, ks, vs, 6], options
+
+
+@pytest.mark.parametrize("which", [3, 4])
+def test_mode_6_takes_a_negative_view_descale_as_its_values(which, monkeypatch):
+    """Mode 6's fp32 descales went to the kernel with their strides and no copy: a negative view
+    gave scores of the wrong sign (an output off by up to 15 and another LSE). Now it takes the
+    torch path, which reads its values: the plain call's bits on that path."""
+    args, options = _fp8_call()
+    viewed = list(args)
+    viewed[which] = neg_view(args[which])
+    got = qfa.quant_flash_attn(*viewed, **options)
+    monkeypatch.setenv("QFA_NATIVE", "0")
+    want = qfa.quant_flash_attn(*args, **options)
+    assert torch.equal(bits(got[0]), bits(want[0])) and torch.equal(got[1], want[1])

@@ -13,7 +13,7 @@ descales read and checked, then the kernel). The op's full path remembers a call
 succeeds.
 
 Which calls: the HiF8 mode on the native CPU kernel, K/V not paged, uint8 codes, every tensor a
-plain dense ``torch.Tensor`` (strided, not nested, no subclass), and none of metadata, length
+plain dense ``torch.Tensor`` (strided, not nested, no subclass, no negative bit), and none of metadata, length
 tensors, ``p_scale``, a mask tensor, sinks, windows or length bounds. That is the form of the
 drop-in's calls and of a model's direct ones. Any other call, or one unlike every remembered
 call, takes the full path.
@@ -45,7 +45,7 @@ def key_of(q, k, v, q_descale, k_descale, v_descale, quant_mode, mask_mode, soft
     or None for a call it leaves to the full path."""
     tensor, strided = torch.Tensor, torch.strided
     for t in (q, k, v, q_descale, k_descale, v_descale):  # (a CSR tensor has no strides, a nested one no shape)
-        if type(t) is not tensor or t.is_nested or t.layout is not strided:
+        if type(t) is not tensor or t.is_nested or t.layout is not strided or t.is_neg():
             return None
     if q.dtype is not torch.uint8:
         return None

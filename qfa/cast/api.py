@@ -63,6 +63,7 @@ def encode_to_hifloat8(x: torch.Tensor, *, overflow: str = "saturate", backend: 
     chosen = backends.resolve(x.device, backend)
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    x = x.resolve_neg()  # (a negative view's bits are not its values: both paths read bits)
     if chosen != "triton" and _native_cpu(x):
         # (a contiguous x in its own shape: the codes are allocated in it, no reshape or view,
         # a tenth of a small call's time)
