@@ -157,6 +157,8 @@ def quant_flash_attn(
         return_softmax_lse: also return the natural-log LSE of the scaled scores, fp32
             (B, Nq, Sq) or (Nq, Tq) for TND; otherwise an empty tensor is returned in its place.
         backend: ``"torch"`` or ``"triton"``; None picks by device (``$QFA_BACKEND`` overrides).
+            On CPU ``"torch"`` runs the native kernel where it is built (``QFA_NATIVE=0``: the
+            pure-torch path; the same numbers up to fp32 summation order and exp's last bit).
 
     Every tensor argument is read through its own strides and storage offset: any view
     (transposed, sliced with a step, at an offset, expanded) gives the bits of its contiguous

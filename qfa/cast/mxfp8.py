@@ -314,6 +314,10 @@ def pack_v_descale(scales: torch.Tensor | Sequence[torch.Tensor], layout_kv: str
         for b, s in enumerate(scales):
             _check_e8m0(s, f"scales[{b}]")
             _check_ndim(s, f"scales[{b}]", 3, "(ceil(kv_len/32), KV_N, D)")
+            if s.shape[1:] != scales[0].shape[1:] or s.device != scales[0].device:
+                raise ValueError(f"scales[{b}] must be (ceil(kv_len/32), KV_N, D) with scales[0]'s (KV_N, D) = "
+                                 f"{tuple(scales[0].shape[1:])} on {scales[0].device}, got {tuple(s.shape)} on "
+                                 f"{s.device}")
         return torch.cat([pair_scales(s, 0) for s in scales], dim=0)
     _check_e8m0(scales, "scales")
     key_axis = V_KEY_AXIS[layout_kv]
@@ -342,8 +346,10 @@ def unpack_v_descale(descale: torch.Tensor, layout_kv: str = "TND", *,
         if kv_lens is None or isinstance(kv_lens, torch.Tensor) and kv_lens.ndim != 1:
             raise ValueError("kv_lens must be given (one key count per sequence) for layout TND")
         lens = [int(n) for n in kv_lens]
+        if any(n < 0 for n in lens):
+            raise ValueError(f"kv_lens must be key counts >= 0, got {lens}")
         pairs = [math.ceil(n / VALUES_PER_PAIR) for n in lens]
-        if any(n < 0 for n in lens) or sum(pairs) != descale.shape[0]:
+        if sum(pairs) != descale.shape[0]:
             raise ValueError(f"kv_lens {lens} need {sum(pairs)} rows of scale pairs, v_descale has {descale.shape[0]}")
         out, row = [], 0
         for n, p in zip(lens, pairs):

@@ -115,7 +115,8 @@ def hif8_attention(
         return_softmax_lse: also return the natural-log LSE of the (unsmoothed) scores, fp32,
             (B, Nq, Sq) or (Nq, Tq) for TND; rows that see no key get +inf. (``return_lse=``
             is a deprecated alias.)
-        backend: ``"torch"`` / ``"triton"`` / None (by device, or ``$QFA_BACKEND``).
+        backend: ``"torch"`` / ``"triton"`` / None (by device, or ``$QFA_BACKEND``). On CPU
+            ``"torch"`` runs the native code where it is built (``QFA_NATIVE=0``: pure torch).
         metadata: optional plan of the op (:func:`qfa.quant_flash_attn_metadata`, or the
             ``AttentionPlan`` of an earlier call) for this call's layout, heads, mask and length
             tensors: the lengths are then not read on the host again (the values must be those
@@ -225,7 +226,26 @@ def _attention(q, k, v, *, is_causal, softmax_scale, layout, cu_seqlens_q, cu_se
         run = dropin_eager.run if process_group is None else _run_sharded
         with dropin_op.callers_words(said):
             out, lse = run(_D(**call), metadata=metadata, process_group=process_group)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (q, k, v, q_scale, k_scale, v_scale)):
+            out, lse = _NoGradient.apply(out, lse, q, k, v)
     return (out, lse) if return_softmax_lse else out
+
+
+class _NoGradient(torch.autograd.Function):
+    """The outputs of a call whose inputs require grad, as the custom op leaves them under
+    ``torch.compile``: in the graph, so that a backward pass through them fails, saying why,
+    rather than finding no path and silently leaving the inputs' gradients out."""
+
+    @staticmethod
+    def forward(ctx, out, lse, *inputs):
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("qfa.hif8_attention has no gradient: it is an inference operator (Q, K, V and P are "
+                           "rounded to 8 bits). Train through SDPA, or run it under torch.no_grad() / "
+                           "torch.inference_mode() to say no gradient is wanted")
 
 
 def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -97,7 +97,7 @@ class HiF8Attention(nn.Module):
                                                                self._said.get("softmax_scale", "softmax_scale"))
         self.smooth_k, self.p_scale, self.backend = smooth_k, p_scale, backend
         self.static, self.rotate = static, rotate
-        for name in ("q_scale", "k_scale", "v_scale"):
+        for name in _SCALE_BUFFERS:
             self.register_buffer(name, torch.full((1,), math.nan, dtype=torch.float32))
         self._has_scales = False
         self._observers: Optional[tuple[cal.ScaleObserver, ...]] = None
@@ -196,6 +196,18 @@ class HiF8Attention(nn.Module):
         self.static = True
         return self
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)``, ``.half()``, ``.bfloat16()`` move the scales but keep them fp32: the op
+        takes fp32 scales, and a cast would round them (to bf16: another output) or flush them
+        (1e-8 to fp16's 0). Devices move as asked."""
+        before = {name: self._buffers[name] for name in _SCALE_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, kept in before.items():
+            moved = self._buffers[name]
+            if moved is not None and kept is not None and moved.dtype != kept.dtype:
+                self._buffers[name] = kept.to(device=moved.device)
+        return self
+
     # -- compute
     def forward(self, q, k, v, *, is_causal: Optional[bool] = None, cu_seqlens_q=None, cu_seqlens_kv=None,
                 seqused_q=None, seqused_kv=None, return_softmax_lse: bool = _D.return_softmax_lse,
@@ -226,6 +238,10 @@ class HiF8Attention(nn.Module):
             scales=scales, return_softmax_lse=return_softmax_lse, backend=self.backend, rotate=self.rotate,
             metadata=metadata, process_group=self.process_group, format=self.format, said=said,
         )
+
+
+#: The static per-tensor scales' buffers (fp32 (1,); NaN until set).
+_SCALE_BUFFERS = ("q_scale", "k_scale", "v_scale")
 
 
 def _after_load(module: HiF8Attention, incompatible_keys) -> None:

@@ -84,6 +84,9 @@ class PagedHiF8Cache:
             raise ValueError(f"head_dim must be {HEAD_DIM} (the HiF8 op's only head size), got {head_dim!r}")
         self.head_dim = head_dim
         self.device = torch.device(device)
+        if self.device.type == "meta":  # it stores codes and reads its scales' values
+            raise ValueError("device must hold memory (cpu, cuda, npu, ...): the cache stores codes and reads its "
+                             "scales, got meta")
         self.rule = cal.get_rule(calibration)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_codes = [torch.zeros(shape, dtype=torch.uint8, device=self.device) for _ in range(num_layers)]

@@ -342,6 +342,12 @@ def test_layout_bad_input():
         mxfp8.unpack_v_descale(packed, kv_lens=[200])
     with pytest.raises(ValueError, match="kv_lens must be given"):
         mxfp8.unpack_v_descale(packed)
+    with pytest.raises(ValueError, match=r"kv_lens must be key counts >= 0, got \[-70, 200\]"):
+        mxfp8.unpack_v_descale(packed, kv_lens=(-70, 200))
+    two, three = (mxfp8.quantize(torch.randn(40, n, 64), axis=0)[1] for n in (2, 3))
+    with pytest.raises(ValueError, match=r"scales\[1\] must be \(ceil\(kv_len/32\), KV_N, D\) with scales\[0\]'s "
+                                         r"\(KV_N, D\) = \(2, 64\) on cpu, got \(2, 3, 64\) on cpu"):
+        mxfp8.pack_v_descale([two, three])
     with pytest.raises(ValueError, match="paired must have a last axis of 2"):
         mxfp8.unpair_scales(s, 3)
     with pytest.raises(ValueError, match="count must be 3 or 4"):

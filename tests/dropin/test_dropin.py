@@ -737,3 +737,56 @@ def test_module_observe_checks_the_length_values_like_the_op():
     attn = HiF8Attention(layout="TND")
     with pytest.raises(ValueError, match=r"^cu_seqlens_kv must be non-decreasing, got \[0, 6, 3\]"):
         attn.observe(q, k, v, cu_seqlens_q=_i32(0, 5, 8), cu_seqlens_kv=_i32(0, 6, 3))
+
+
+# --- gradients --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("format", ["hif8", "fp8"])
+def test_inputs_that_require_grad_give_an_output_whose_backward_says_why(format):
+    """Eager calls used to return an output outside the graph: a loss through it left the
+    projections' gradients out without a word. Now, as under torch.compile, the output is in the
+    graph and its backward raises, naming the way out; the values are the no-grad call's."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 128)
+    x = torch.randn(1, 4, 20, 128)
+    q = lin(x)
+    options = dict(rotate=False, format=format) if format != "hif8" else {}
+    with torch.no_grad():
+        want = qfa.hif8_attention(q, q, q, **options)
+    out, lse = qfa.hif8_attention(q, q, q, return_softmax_lse=True, **options)
+    assert out.requires_grad and lse.requires_grad
+    assert torch.equal(out.detach(), want)
+    with pytest.raises(RuntimeError, match=r"^qfa.hif8_attention has no gradient: it is an inference operator"):
+        (out.float().sum() + lin.weight.sum()).backward()
+    with torch.inference_mode():
+        assert not qfa.hif8_attention(lin(x), lin(x), lin(x), **options).requires_grad
+
+
+def test_module_over_projections_refuses_a_backward():
+    torch.manual_seed(1)
+    proj, attention = torch.nn.Linear(128, 128), qfa.HiF8Attention()
+    h = proj(torch.randn(1, 2, 12, 128))
+    out = attention(h, h, h)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="no gradient"):
+        out.sum().backward()
+    assert proj.weight.grad is None  # raised before any gradient was written
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half", "to_bf16"])
+def test_module_dtype_casts_keep_its_scales_fp32(cast):
+    """``.bfloat16()`` / ``.half()`` / ``.to(dtype)`` used to round the frozen scales (another
+    output) or flush a small one to 0 (then refused by name, though the user set 1e-8)."""
+    scales = (0.013, 1e-8, 0.017)
+    m = qfa.HiF8Attention(scales=scales)
+    want = m.q_scale.clone(), m.k_scale.clone(), m.v_scale.clone()
+    cast_module = {"bfloat16": lambda: m.bfloat16(), "half": lambda: m.half(),
+                   "to_bf16": lambda: m.to(torch.bfloat16)}[cast]
+    assert cast_module() is m
+    for buf, before in zip((m.q_scale, m.k_scale, m.v_scale), want):
+        assert buf.dtype == torch.float32 and torch.equal(buf, before)
+    assert m.frozen
+    q = torch.randn(1, 2, 16, 128, dtype=torch.bfloat16)
+    fresh = qfa.HiF8Attention(scales=scales)
+    assert torch.equal(m(q, q, q).view(torch.int16), fresh(q, q, q).view(torch.int16))
+    assert m.to(device="meta").q_scale.device.type == "meta"  # devices still move

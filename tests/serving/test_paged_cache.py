@@ -141,6 +141,7 @@ def test_given_scales_are_used():
     (dict(num_blocks=2.0), TypeError, "num_blocks must be an int, got float"),
     (dict(scales=[(1.0,)]), ValueError, r"scales\[0\] must be a \(k_scale, v_scale\) pair"),
     (dict(scales=[(1.0, -1.0)]), ValueError, "must be positive and finite"),
+    (dict(device="meta"), ValueError, "device must hold memory .* got meta"),
 ])
 def test_constructor_errors(kw, exc, match):
     args = dict(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=NKV)
