@@ -247,7 +247,6 @@ def _backend(plan: AttentionPlan, requested: str | None, tensors: tuple):
         from qfa.kernels import attention as kernel
 
         return kernel
-    # the native CPU kernel where it builds, else the pure-torch path (same contract)
     return cpu_kernel if plan.device.type == "cpu" and cpu_kernel.available() and _plain_memory.tensors(*tensors) \
         else torch_path
 
