@@ -346,11 +346,26 @@ class HiF8Layer(DynamicLayer):
 
     # ---------------------------------------------------------------- batch operations (generate)
 
-    def _select(self, index: torch.Tensor) -> None:
+    def check_select(self, index: torch.Tensor, name: str = "index") -> None:
+        """Raise, changing nothing, where :meth:`_select` could not take ``index``: a 1-D integer
+        tensor of batch rows in [0, batch) (a bool mask would select rows by the mask but lengths
+        by 0 and 1), and no tokens queued."""
+        if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype.is_floating_point or \
+                index.dtype.is_complex or index.dtype == torch.bool:
+            got = f"{index.dtype} {tuple(index.shape)}" if isinstance(index, torch.Tensor) else type(index).__name__
+            raise TypeError(f"{name} must be a 1-D integer tensor of batch rows, got {got}")
         if not self.is_initialized:
             return
         if self._pending:
             raise ValueError("cannot reorder a HiF8 cache layer with tokens queued for encoding")
+        batch = self._k_store.shape[0]
+        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < batch):
+            raise ValueError(f"{name} must hold batch rows in [0, {batch}), got {index.tolist()}")
+
+    def _select(self, index: torch.Tensor, name: str = "index") -> None:
+        self.check_select(index, name)
+        if not self.is_initialized:
+            return
         index = index.to(self.device)
         host = [self.host_lengths[i] for i in index.tolist()]
         self._set_store(self._k_store[index], self._v_store[index], tuple(host))
@@ -358,14 +373,25 @@ class HiF8Layer(DynamicLayer):
             self.k_mean = self.k_mean[index]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(beam_idx)
+        self._select(beam_idx, "beam_idx")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(indices)
+        self._select(indices, "indices")
+
+    def repeat_index(self, repeats: int) -> torch.Tensor | None:
+        """The rows :meth:`batch_repeat_interleave` selects (None before the first tokens)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int):
+            raise TypeError(f"repeats must be an int, got {type(repeats).__name__}")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        if not self.is_initialized:
+            return None
+        return torch.arange(self._k_store.shape[0], device=self._k_store.device).repeat_interleave(repeats)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select(torch.arange(self._k_store.shape[0], device=self._k_store.device).repeat_interleave(repeats))
+        index = self.repeat_index(repeats)
+        if index is not None:
+            self._select(index)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("HiF8Cache cannot be cropped (its rows are compacted, padding removed)")
@@ -467,6 +493,8 @@ class HiF8Cache(Cache):
                 raise ValueError(f"HiF8Cache supports full-attention layers only (the HiF8 op has no sliding "
                                  f"window); this config has {other}")
             layers = [self._new_layer(i) for i in range(len(types))]
+        #: The config's layer count, the bound of ``update``'s layer_idx (None without a config).
+        self.num_config_layers = len(layers) if config is not None else None
         super().__init__(layers=layers)
         self._plan: tuple | None = None  # (key, plan) of shared_plan
 
@@ -496,6 +524,8 @@ class HiF8Cache(Cache):
             raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
         if layer_idx < 0:
             raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
+        if self.num_config_layers is not None and layer_idx >= self.num_config_layers:
+            raise ValueError(f"layer_idx must be below the config's {self.num_config_layers} layers, got {layer_idx}")
         new = [self._new_layer(i) for i in range(len(self.layers), layer_idx + 1)]
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else new[-1]
         layer.check_new(key_states, value_states)
@@ -504,6 +534,25 @@ class HiF8Cache(Cache):
         shape = (layer.keys.shape[0], layer.keys.shape[1], layer.seen, HEAD_DIM)
         return (CacheHandle(shape, key_states.dtype, key_states.device, self, layer_idx),
                 CacheHandle(shape, value_states.dtype, value_states.device, self, layer_idx))
+
+    # Batch operations: every layer checked before any changes (a refused one leaves them all as
+    # they were, where the base class's loop would have changed the layers before it).
+    def _select_all(self, indices: list, name: str) -> None:
+        for layer, index in zip(self.layers, indices):
+            if index is not None:
+                layer.check_select(index, name)
+        for layer, index in zip(self.layers, indices):
+            if index is not None:
+                layer._select(index, name)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_all([beam_idx] * len(self.layers), "beam_idx")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_all([indices] * len(self.layers), "indices")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_all([layer.repeat_index(repeats) for layer in self.layers], "repeats")
 
     def layer(self, layer_idx: int) -> HiF8Layer:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):

@@ -235,6 +235,10 @@ def test_constructors():
                           use_sliding_window=True, sliding_window=8)
     with pytest.raises(ValueError, match="full-attention layers only"):
         HiF8Cache(config=sliding)
+    bounded = HiF8Cache(config=model.config)
+    with pytest.raises(ValueError, match="layer_idx must be below the config's 2 layers, got 2"):
+        bounded.update(randn(1, 2, 3, 128, seed=1), randn(1, 2, 3, 128, seed=2), 2)
+    assert len(bounded) == 2  # (an index without a config is unbounded: nothing to check it against)
 
 
 def test_generate_greedy_bytes_and_decode_reads_codes(monkeypatch):
@@ -475,3 +479,65 @@ def test_small_rotations_have_the_bits_of_the_definition_on_any_thread_count(sha
             assert torch.equal(bits(rotation.rotate(x)), bits(want))
     finally:
         torch.set_num_threads(threads)
+
+
+def _filled(lens=(10, 6), layers: int = 2) -> HiF8Cache:
+    """A cache whose layers hold a left-padded batch of sequences of these lengths."""
+    cache, s = HiF8Cache(), max(lens)
+    mask = torch.zeros(len(lens), s, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        mask[i, s - n:] = True
+    for layer in range(layers):
+        k, v = randn(len(lens), 2, s, 128, seed=layer), randn(len(lens), 2, s, 128, seed=layer + 10)
+        step(cache, layer, randn(len(lens), 4, s, 128, seed=layer + 20), k, v, mask=mask)
+    return cache
+
+
+def _state(cache: HiF8Cache) -> list:
+    return [(layer.host_lengths, layer.seen, len(layer._pending),
+             *[None if t is None else t.clone() for t in (layer._k_store, layer._v_store, layer.k_mean, layer.lengths)])
+            for layer in cache.layers]
+
+
+def _same(a: list, b: list) -> bool:
+    return all(x == y if not isinstance(x, torch.Tensor) else torch.equal(x, y)
+               for la, lb in zip(a, b) for x, y in zip(la, lb)) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda c: c.reorder_cache(torch.tensor([True, False])), TypeError, "beam_idx must be a 1-D integer tensor"),
+    (lambda c: c.reorder_cache(torch.tensor([0, 2])), ValueError, r"beam_idx must hold batch rows in \[0, 2\)"),
+    (lambda c: c.reorder_cache(torch.tensor([-1, 0])), ValueError, "batch rows"),
+    (lambda c: c.reorder_cache(torch.tensor([0.0, 1.0])), TypeError, "integer tensor"),
+    (lambda c: c.reorder_cache([1, 0]), TypeError, "got list"),
+    (lambda c: c.batch_select_indices(torch.tensor([[0]])), TypeError, "indices must be a 1-D"),
+    (lambda c: c.batch_repeat_interleave(-1), ValueError, "repeats must be >= 1, got -1"),
+    (lambda c: c.batch_repeat_interleave(1.5), TypeError, "repeats must be an int"),
+])
+def test_a_refused_batch_operation_changes_nothing(call, error, match):
+    """A bool mask used to select the rows by the mask but the lengths by 0 and 1 (a later step
+    then read a 10-token row as 6 tokens); bad indices raised IndexError or AttributeError."""
+    cache = _filled()
+    before = _state(cache)
+    with pytest.raises(error, match=match):
+        call(cache)
+    assert _same(_state(cache), before)
+
+
+def test_a_reorder_refused_by_a_later_layer_changes_no_layer():
+    """The base class's loop permuted layer 0 before layer 1 refused (tokens queued there)."""
+    cache = _filled()
+    cache.update(randn(2, 2, 1, 128, seed=5), randn(2, 2, 1, 128, seed=6), 1)
+    before = _state(cache)
+    with pytest.raises(ValueError, match="tokens queued"):
+        cache.reorder_cache(torch.tensor([1, 0]))
+    assert _same(_state(cache), before)
+
+
+def test_a_reorder_permutes_every_layer_with_its_lengths():
+    cache = _filled()
+    before = _state(cache)
+    cache.reorder_cache(torch.tensor([1, 0, 1]))
+    for (lengths, _, _, k, v, mean, lens), layer in zip(before, cache.layers):
+        assert layer.host_lengths == (lengths[1], lengths[0], lengths[1])
+        assert torch.equal(layer._k_store, k[[1, 0, 1]]) and torch.equal(layer.k_mean, mean[[1, 0, 1]])
