@@ -47,7 +47,10 @@ from typing import Callable
 
 import torch
 
+from qfa.dropin import calibration as cal
+from qfa.dropin import inputs as dropin_inputs
 from qfa.serving.attention import cached_attention, hif8_cache_of
+from qfa.tiling.checks import check_bool
 from qfa.tiling.attention import HEAD_DIM  # the op's only head size
 
 FALLBACKS = (None, "sdpa")
@@ -244,6 +247,64 @@ def _default_attention_fn():
     return hif8_attention
 
 
+#: The options a HiF8Cache decides for itself (its encoding of K and V): registered ones must agree.
+_CACHE_OPTIONS = ("calibration", "smooth_k", "rotate")
+
+
+def _check_registration(name, attention_fn, options: dict) -> None:
+    """The registration's name and options, checked when registered rather than at the first
+    forward pass (and never silently dropped): options the attention function does not take are
+    a TypeError naming them; the drop-in's own options are checked by its checks."""
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if attention_fn is not None and not callable(attention_fn):
+        raise TypeError(f"attention_fn must be callable, got {type(attention_fn).__name__}")
+    fn = attention_fn if attention_fn is not None else _default_attention_fn()
+    taken = _option_names(fn)
+    if taken is not None and set(options) - taken:
+        raise TypeError(f"{name}: options {sorted(set(options) - taken)} are not arguments of "
+                        f"{getattr(fn, '__name__', fn)!r} (it takes {sorted(taken)})")
+    if "calibration" in options:
+        dropin_inputs.check_calibration(options["calibration"])
+    for flag in ("smooth_k", "rotate"):
+        if flag in options:
+            check_bool(options[flag], flag)
+
+
+def _option_names(fn) -> set[str] | None:
+    """The keyword options ``fn`` takes, or None where its signature does not say (a ``**kwargs``
+    function of the user's, a builtin). The drop-in's functions take ``hif8_attention``'s
+    options and its deprecated spellings (their ``**`` catches only those)."""
+    from qfa.dropin import function as dropin_function
+
+    if fn in (dropin_function.hif8_attention, dropin_function.mxfp8_attention, dropin_function.fp8_attention):
+        parameters = inspect.signature(dropin_function.hif8_attention).parameters
+        return {n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} | \
+            set(dropin_function.DEPRECATED_NAMES)
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return {n for n, p in parameters.items() if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                             inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+
+
+def _check_cache_options(name: str, cache, options: dict) -> None:
+    """A HiF8Cache encodes K and V with its own calibration, smoothing and rotation: registered
+    options that say otherwise are an error, not silently dropped."""
+    for option in _CACHE_OPTIONS:
+        if option not in options:
+            continue
+        mine, its = options[option], getattr(cache, option)
+        same = cal.get_rule(mine) is cal.get_rule(its) if option == "calibration" else mine == its
+        if not same:
+            raise ValueError(f"{name} was registered with {option}={mine!r}, but this qfa.serving.HiF8Cache was made "
+                             f"with {option}={its!r}, and the cache's encoding decides: make the cache with the "
+                             f"same {option}, or register without it")
+
+
 def make_attention_function(
     name: str = "qfa_hif8",
     *,
@@ -258,6 +319,7 @@ def make_attention_function(
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    _check_registration(name, attention_fn, options)
     packings = PackingCache()
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -275,6 +337,7 @@ def make_attention_function(
                                  f"attention only; use attn_implementation='qfa_hif8' with it, or a DynamicCache "
                                  f"with {name}")
             cache, layer_idx = found
+            _check_cache_options(name, cache, options)
             return cached_attention(module, query, cache, layer_idx, softmax_scale=scaling,
                                     attention_mask=attention_mask, is_causal=bool(is_causal),
                                     p_scale=options.get("p_scale"), backend=options.get("backend")), None
@@ -344,9 +407,18 @@ def register(name: str = "qfa_hif8", *, fallback: str | None = None, attention_f
     except ImportError as exc:  # pragma: no cover - exercised only without transformers
         raise ImportError("qfa.integrations.transformers needs transformers: pip install 'qfa[transformers]'") from exc
     fn = make_attention_function(name, fallback=fallback, attention_fn=attention_fn, **options)
+    taken = getattr(AttentionInterface, "_global_mapping", {})
+    if name in taken and name not in _REGISTERED:
+        raise ValueError(f"name {name!r} is an attention transformers already has (not one qfa registered): "
+                         f"registering it would replace it for the whole process; pick another name")
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, qfa_mask)
+    _REGISTERED.add(name)
     return name
+
+
+#: The names :func:`register` has registered in this process (it may replace only these).
+_REGISTERED: set[str] = set()
 
 
 def register_mxfp8(name: str = "qfa_mxfp8", *, fallback: str | None = None, **options) -> str:

@@ -541,3 +541,43 @@ def test_a_reorder_permutes_every_layer_with_its_lengths():
     for (lengths, _, _, k, v, mean, lens), layer in zip(before, cache.layers):
         assert layer.host_lengths == (lengths[1], lengths[0], lengths[1])
         assert torch.equal(layer._k_store, k[[1, 0, 1]]) and torch.equal(layer.k_mean, mean[[1, 0, 1]])
+
+
+@pytest.mark.parametrize("option, value, cache_kw", [
+    ("smooth_k", False, {}), ("rotate", False, {}), ("calibration", "amax", {}),
+    ("smooth_k", True, {"smooth_k": False}),
+])
+def test_registered_options_the_cache_decides_must_agree_with_it(option, value, cache_kw):
+    """With a HiF8Cache only p_scale and backend of the registered options were used: a name
+    registered with smooth_k=False smoothed anyway. Now a disagreement is an error naming both."""
+    name = f"qfa_hif8_options_{option}_{value}"
+    qfa_hf.register(name, **{option: value})
+    model = tiny_model()
+    model.set_attn_implementation(name)
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"^{name} was registered with {option}={value!r}, but this "
+                                                          rf"qfa.serving.HiF8Cache was made with {option}="):
+        model(ids(1, 8), past_key_values=HiF8Cache(**cache_kw), use_cache=True)
+    agreeing = qfa_hf.register(f"{name}_agrees", **{option: value})
+    model.set_attn_implementation(agreeing)
+    with torch.no_grad():  # the same options on both sides run
+        model(ids(1, 8), past_key_values=HiF8Cache(**{**cache_kw, option: value}), use_cache=True)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: qfa_hf.register("qfa_bad_option", foo=1), TypeError, r"options \['foo'\] are not arguments of"),
+    (lambda: qfa_hf.register("qfa_bad_rule", calibration="bogus"), ValueError, "bogus"),
+    (lambda: qfa_hf.register("qfa_bad_flag", smooth_k="yes"), TypeError, "smooth_k"),
+    (lambda: qfa_hf.register("sdpa"), ValueError, "'sdpa' is an attention transformers already has"),
+    (lambda: qfa_hf.register(123), TypeError, "name must be a non-empty str, got 123"),
+    (lambda: qfa_hf.register(""), TypeError, "name must be a non-empty str"),
+    (lambda: qfa_hf.register("qfa_bad_fn", attention_fn=3), TypeError, "attention_fn must be callable, got int"),
+])
+def test_register_checks_its_name_and_options_when_registering(call, error, match):
+    """They used to be accepted and fail at the first forward pass (or, for "sdpa", replace
+    transformers' own attention for the whole process)."""
+    from transformers import AttentionInterface
+
+    before = dict(AttentionInterface._global_mapping)
+    with pytest.raises(error, match=match):
+        call()
+    assert AttentionInterface._global_mapping == before
