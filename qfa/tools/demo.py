@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qfa.tools import argtypes
 from qfa.tools.bench.timing import markdown_table, median_seconds
 from qfa.tools.metrics import error_metrics, relative_l2
 
@@ -36,7 +37,7 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    parser.add_argument("--seq", type=argtypes.positive_int, default=1024, help="sequence length (default 1024)")
     parser.add_argument("--heads", type=_heads, default=(12, 2), help="q heads:kv heads (default 12:2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="qfa-report/demo.png", help="where to write the chart")

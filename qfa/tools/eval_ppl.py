@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qfa.tools import argtypes
 from qfa.tools.models import load_model, resolve_model
 from qfa.tools.text import read_text
 
@@ -75,14 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, help="GGUF file name inside the --model folder")
     parser.add_argument("--text", required=True, action="append",
                         help="text file (.gz read transparently); repeat for several texts")
-    parser.add_argument("--tokens", default="512", help="number(s) of tokens to score, comma-separated (default 512)")
+    parser.add_argument("--tokens", type=argtypes.positive_ints, default=[512], help="number(s) of tokens to score, comma-separated (default 512)")
     parser.add_argument("--attn", default="sdpa,qfa_hif8,fp8_e4m3",
                         help="comma-separated attention implementations; the first is the reference "
                              "(default sdpa,qfa_hif8,fp8_e4m3); options as NAME:key=value:key=value")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="model dtype (default bf16)")
-    parser.add_argument("--window", type=int, default=None,
+    parser.add_argument("--window", type=argtypes.positive_int, default=None,
                         help="tokens per forward pass (default: all N tokens in one window)")
-    parser.add_argument("--stride", type=int, default=None,
+    parser.add_argument("--stride", type=argtypes.positive_int, default=None,
                         help="tokens between window ends (default window - 1): each later window scores its last "
                              "stride tokens with window - stride tokens of context")
     parser.add_argument("--calibration", default=None,
@@ -427,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     try:
-        counts = [int(t) for t in str(args.tokens).split(",") if t.strip()]
+        counts = list(args.tokens)
         specs = parse_attn(args.attn)
         texts = {}
         for path in args.text:

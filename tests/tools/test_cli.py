@@ -85,3 +85,32 @@ def test_unknown_command_fails():
 def test_bad_arguments_fail_cleanly(args):
     done = subprocess.run([sys.executable, "-m", "qfa", *args], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--seq", "-5"], "--seq: expected a positive integer, got -5"),
+    (["demo", "--seq", "0"], "--seq: expected a positive integer, got 0"),
+    (["bench", "dropin", "--seqs", "-3"], "--seqs: expected comma-separated positive integers, got -3"),
+    (["bench", "dropin", "--seqs", ""], "--seqs: expected comma-separated positive integers, got ''"),
+    (["bench", "attention", "--accuracy-seq", "-3"], "--accuracy-seq: expected an integer >= 0, got -3"),
+    (["bench", "attention", "--memory-seq", "-4"], "--memory-seq: expected an integer >= 0, got -4"),
+    (["bench", "attention", "--backend", "bogus"], "--backend: invalid choice: 'bogus'"),
+    (["bench", "cast", "--backend", "bogus"], "--backend: invalid choice: 'bogus'"),
+    (["bench", "cast", "--device", "bogus"], "--device: expected a torch device"),
+    (["bench", "cast", "--threads", "0"], "--threads: expected a positive integer, got 0"),
+    (["bench", "dropin", "--threads", "-1"], "--threads: expected a positive integer, got -1"),
+    (["bench", "vllm-layer", "--threads", "0"], "--threads: expected a positive integer, got 0"),
+    (["bench", "vllm", "--batches", "0"], "--batches: expected comma-separated positive integers, got 0"),
+    (["eval-ppl", "--text", "t", "--tokens="], "--tokens: expected comma-separated positive integers, got ''"),
+    (["eval-ppl", "--text", "t", "--window", "0"], "--window: expected a positive integer, got 0"),
+    (["eval-ppl", "--text", "t", "--stride", "0"], "--stride: expected a positive integer, got 0"),
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer, got 0"),
+])
+def test_bad_values_exit_2_naming_the_argument(args, message, capsys):
+    """They used to run into a traceback (a RuntimeError, a subprocess's CalledProcessError), exit
+    1 with a bare line (--threads), or be ignored (an empty list: an empty table)."""
+    with pytest.raises(SystemExit) as done:
+        build_parser(args).parse_args(args)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: qfa" in err and message in err

