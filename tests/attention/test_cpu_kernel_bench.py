@@ -72,7 +72,9 @@ def test_bench_run_names_the_kernels_and_the_peak(capsys):
     cells = dict(zip(*([c.strip() for c in line.strip().strip("|").split("|")] for line in (header, decode_row))))
     # at the peak qfa would beat its measured self (the rows run below 100 % of the peak)
     at_peak, measured = float(cells["at peak / fp32"].rstrip("x")), float(cells["qfa / fp32"].rstrip("x"))
-    assert 0 < at_peak <= measured * 1.05, cells
+    # (both printed to two decimals: on a loaded machine SDPA slows and a small row's ratio at
+    # the peak can print as 0.00x)
+    assert 0 <= at_peak <= measured * 1.05 + 0.005, cells
     if cpu_kernel.bf16_dot():
         assert "decode target, Sq >= 16, AVX512_BF16 (qfa <= 0.35x fp32 SDPA)" in out
     else:
