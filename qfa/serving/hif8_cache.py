@@ -432,9 +432,12 @@ def _mean(tokens: torch.Tensor, heads: int) -> torch.Tensor:
 def _scale_triple(scales, name: str = "a layer's scales") -> tuple:
     if scales is None:
         return (None, None, None)
-    if not isinstance(scales, (tuple, list)) or len(scales) != 3:
+    if not isinstance(scales, (tuple, list)):
         raise TypeError(f"{name} must be a tuple (q_scale, k_scale, v_scale) (entries may be None), "
                         f"got {type(scales).__name__}")
+    if len(scales) != 3:
+        raise ValueError(f"{name} must be a tuple (q_scale, k_scale, v_scale) (entries may be None), got "
+                         f"{len(scales)} entries")
     return tuple(scales)
 
 

@@ -173,8 +173,9 @@ class PagedHiF8Cache:
 
     def _set_scales(self, scales) -> None:
         if not isinstance(scales, (list, tuple)) or len(scales) != self.num_layers:
-            raise ValueError(f"scales must be a sequence of {self.num_layers} (k_scale, v_scale) pairs or None, "
-                             f"got {type(scales).__name__}")
+            got = f"{len(scales)} entries" if isinstance(scales, (list, tuple)) else type(scales).__name__
+            raise ValueError(f"scales must be a sequence of {self.num_layers} (k_scale, v_scale) pairs or None (one "
+                             f"per layer), got {got}")
         for layer, pair in enumerate(scales):
             if pair is None:
                 continue

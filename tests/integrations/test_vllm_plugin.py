@@ -36,7 +36,7 @@ def test_engine_kwargs_bf16_leaves_vllm_alone():
 
 @pytest.mark.parametrize("bad, error, match", [
     ({"kv_cache": "fp16"}, ValueError, "kv_cache must be one of"),
-    ({"rule": "nope"}, ValueError, "nope"),
+    ({"rule": "nope"}, ValueError, r"rule must be one of \[.*'rms'.*\].*got 'nope'"),
     ({"rule": cal.rms_scale}, TypeError, "rule must be a calibration rule's name"),
     ({"smooth_k": 1}, TypeError, "smooth_k must be a bool"),
     ({"q_scale": "token"}, ValueError, "q_scale must be one of"),

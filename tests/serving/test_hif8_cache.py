@@ -230,6 +230,8 @@ def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 def test_constructors():
     model = tiny_model()
     assert len(HiF8Cache()) == 0
+    with pytest.raises(ValueError, match=r"scales\[0\] must be a tuple \(q_scale, k_scale, v_scale\) .*got 2 entries"):
+        HiF8Cache(scales=[(1.0, 2.0)])
     assert len(HiF8Cache(config=model.config)) == 2
     sliding = Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
                           use_sliding_window=True, sliding_window=8)

@@ -142,6 +142,8 @@ def test_given_scales_are_used():
     (dict(scales=[(1.0,)]), ValueError, r"scales\[0\] must be a \(k_scale, v_scale\) pair"),
     (dict(scales=[(1.0, -1.0)]), ValueError, "must be positive and finite"),
     (dict(device="meta"), ValueError, "device must hold memory .* got meta"),
+    (dict(scales=[(1.0, 2.0), None]), ValueError, r"scales must be a sequence of 1 \(k_scale, v_scale\) pairs or None "
+                                                   r"\(one per layer\), got 2 entries"),
 ])
 def test_constructor_errors(kw, exc, match):
     args = dict(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=NKV)

@@ -74,7 +74,9 @@ class Options:
         if not isinstance(rule, str):
             raise TypeError(f"{where}: rule must be a calibration rule's name (str), got {type(rule).__name__} (a "
                             f"callable cannot travel to vLLM's worker processes; register it by name)")
-        cal.get_rule(rule)  # an unknown name fails here, with the known ones listed
+        if rule not in cal.RULES:  # (get_rule's message would call it calibration)
+            raise ValueError(f"{where}: rule must be one of {sorted(cal.RULES)} (or a rule registered by name), got "
+                             f"{rule!r}")
         for flag in ("smooth_k", "rotate"):
             if flag in opts and not isinstance(opts[flag], bool):
                 raise TypeError(f"{where}: {flag} must be a bool, got {type(opts[flag]).__name__}")
