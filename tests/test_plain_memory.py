@@ -332,3 +332,30 @@ def test_mode_6_takes_a_negative_view_descale_as_its_values(which, monkeypatch):
     monkeypatch.setenv("QFA_NATIVE", "0")
     want = qfa.quant_flash_attn(*args, **options)
     assert torch.equal(bits(got[0]), bits(want[0])) and torch.equal(got[1], want[1])
+
+
+def test_bound_passes_take_a_negative_view_after_a_plain_call():
+    """An engine's bound passes (the query encoder, the key/value writer) compared only the
+    geometry of later tokens: a negative view like the first call's was refused by the native
+    pass's address check. Now it takes the torch path: the plain call's codes and cache."""
+    from qfa.dropin import prepare
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 2, 128, generator=g)
+    queries = prepare.StaticEncoding(2.0 ** -5)
+    first = queries.encode(x)
+    assert torch.equal(queries.encode(neg_view(x))[0], first[0])
+    keys = prepare.StaticEncoding(2.0 ** -6, mean=torch.randn(2, 128, generator=g))
+    values = prepare.StaticEncoding(2.0 ** -5)
+
+    def cache():
+        return torch.zeros(4, 2, 16, 128, dtype=torch.uint8), torch.zeros(4, 2, 16, 128, dtype=torch.uint8)
+
+    slots = torch.tensor([3, 17, 40, -1, 9])
+    (k_plain, v_plain), (k_neg, v_neg) = cache(), cache()
+    prepare.KVWriter(keys, values, k_plain, v_plain).write(x, x * 2, slots)
+    writer = prepare.KVWriter(keys, values, k_neg, v_neg)
+    writer.write(x, x * 2, torch.tensor([0, 1, 2, 3, 4]))  # binds the native pass to this geometry
+    k_neg.zero_(), v_neg.zero_()
+    writer.write(neg_view(x), neg_view(x * 2), neg_view(slots))
+    assert torch.equal(k_neg, k_plain) and torch.equal(v_neg, v_plain)

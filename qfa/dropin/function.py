@@ -226,9 +226,11 @@ def _attention(q, k, v, *, is_causal, softmax_scale, layout, cu_seqlens_q, cu_se
         run = dropin_eager.run if process_group is None else _run_sharded
         with dropin_op.callers_words(said):
             out, lse = run(_D(**call), metadata=metadata, process_group=process_group)
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in (q, k, v, q_scale, k_scale, v_scale)):
-            out, lse = _NoGradient.apply(out, lse, q, k, v)
+        # (the caller's own scale tensors: static_scales converts them, dropping their graph)
+        given = [*(scales if isinstance(scales, (tuple, list)) else ()), p_scale]
+        inputs = (q, k, v, *(s for s in given if isinstance(s, torch.Tensor)))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            out, lse = _NoGradient.apply(out, lse, *inputs)
     return (out, lse) if return_softmax_lse else out
 
 

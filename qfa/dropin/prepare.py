@@ -345,8 +345,7 @@ class StaticEncoding:
         Rows like the last native call's (a serving engine's queries, step after step) skip
         the checks that call passed: only their geometry is compared."""
         known = self._encoder
-        if known is not None and type(x) is torch.Tensor and _token_geometry(x) == known[0] and \
-                cpu_prepare.usable():
+        if known is not None and cpu_prepare.usable(x) and _token_geometry(x) == known[0]:
             return known[1](x)
         self._check(x)
         if self._native(x):
@@ -377,7 +376,7 @@ class StaticEncoding:
         _check_cache(cache, x, "cache")
         _check_slots(slots, x, slots_name)
         capacity = cache.shape[0] * cache.shape[2]
-        if self._native(x) and cache.device.type == "cpu" and slots.device.type == "cpu":
+        if self._native(x) and cpu_prepare.usable(cache, slots):
             written = cpu_prepare.write_token_rows(_rows(x), cache, slots.contiguous(), self.value, ROTATION_C,
                                                    mean=self._native_mean, rotate=self.rotate)
             if isinstance(written, cpu_prepare.SlotRefused):
@@ -445,7 +444,7 @@ def _one_pass(keys: StaticEncoding, values: StaticEncoding, k: torch.Tensor, v: 
     native pass."""
     return keys.rotate == values.rotate and values.mean is None and v.dtype == k.dtype and keys._native(k) and \
         values._native(v) and v_cache.stride() == k_cache.stride() and \
-        all(t.device.type == "cpu" for t in (k_cache, v_cache, slots))
+        cpu_prepare.usable(k_cache, v_cache, slots)
 
 
 def _written(written, slots: torch.Tensor, k_cache: torch.Tensor, slots_name: str) -> int:
@@ -482,8 +481,7 @@ class KVWriter:
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> int:
         """:func:`write_keys_values` of ``k`` and ``v`` at ``slots``; returns the saturated count."""
         bound = self._bound
-        if bound is not None and type(k) is torch.Tensor and type(v) is torch.Tensor and \
-                type(slots) is torch.Tensor and self._geometry(k, v, slots) == bound[0] and cpu_prepare.usable():
+        if bound is not None and cpu_prepare.usable(k, v, slots) and self._geometry(k, v, slots) == bound[0]:
             return _written(bound[1](k, v, slots), slots, self.k_cache, self.slots_name)
         written = write_keys_values(self.keys, self.values, k, v, self.k_cache, self.v_cache, slots, self.slots_name)
         if _one_pass(self.keys, self.values, k, v, self.k_cache, self.v_cache, slots) and k.stride(-1) == 1 and \

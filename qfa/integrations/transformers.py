@@ -249,6 +249,12 @@ def _default_attention_fn():
 
 #: The options a HiF8Cache decides for itself (its encoding of K and V): registered ones must agree.
 _CACHE_OPTIONS = ("calibration", "smooth_k", "rotate")
+#: The registered options a HiF8Cache's attention takes (the rest are the cache's or do not apply).
+_CACHED_CALL_OPTIONS = ("p_scale", "backend")
+#: What the attention function passes the drop-in on every call (the call's mask, scale and
+#: layout; a plan of its own; out alone): not options to register.
+_SUPPLIED = frozenset({"is_causal", "softmax_scale", "layout", "cu_seqlens_q", "cu_seqlens_kv", "seqused_q",
+                       "seqused_kv", "metadata", "return_softmax_lse", "return_lse", "scale"})
 
 
 def _check_registration(name, attention_fn, options: dict) -> None:
@@ -279,8 +285,7 @@ def _option_names(fn) -> set[str] | None:
 
     if fn in (dropin_function.hif8_attention, dropin_function.mxfp8_attention, dropin_function.fp8_attention):
         parameters = inspect.signature(dropin_function.hif8_attention).parameters
-        return {n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} | \
-            set(dropin_function.DEPRECATED_NAMES)
+        return {n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - _SUPPLIED
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -288,12 +293,18 @@ def _option_names(fn) -> set[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return None
     return {n for n, p in parameters.items() if p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                                             inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+                                                             inspect.Parameter.POSITIONAL_OR_KEYWORD)} - _SUPPLIED
 
 
 def _check_cache_options(name: str, cache, options: dict) -> None:
     """A HiF8Cache encodes K and V with its own calibration, smoothing and rotation: registered
-    options that say otherwise are an error, not silently dropped."""
+    options that say otherwise are an error, not silently dropped, and so are options its
+    attention does not take (static scales, another format)."""
+    other = sorted(set(options) - set(_CACHE_OPTIONS) - set(_CACHED_CALL_OPTIONS))
+    if other:
+        raise ValueError(f"{name} was registered with {other}, which a qfa.serving.HiF8Cache's attention does not take "
+                         f"(it takes {list(_CACHED_CALL_OPTIONS)}; the cache decides {list(_CACHE_OPTIONS)}): register "
+                         f"a name without them for the cache")
     for option in _CACHE_OPTIONS:
         if option not in options:
             continue

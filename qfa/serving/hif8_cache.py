@@ -362,8 +362,9 @@ class HiF8Layer(DynamicLayer):
         if index.numel() and not (0 <= int(index.min()) and int(index.max()) < batch):
             raise ValueError(f"{name} must hold batch rows in [0, {batch}), got {index.tolist()}")
 
-    def _select(self, index: torch.Tensor, name: str = "index") -> None:
-        self.check_select(index, name)
+    def _select(self, index: torch.Tensor, name: str = "index", checked: bool = False) -> None:
+        if not checked:  # (the cache's batch operations check every layer first; on a device
+            self.check_select(index, name)  # each check reads the index's range: a sync)
         if not self.is_initialized:
             return
         index = index.to(self.device)
@@ -546,7 +547,7 @@ class HiF8Cache(Cache):
                 layer.check_select(index, name)
         for layer, index in zip(self.layers, indices):
             if index is not None:
-                layer._select(index, name)
+                layer._select(index, name, checked=True)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_all([beam_idx] * len(self.layers), "beam_idx")

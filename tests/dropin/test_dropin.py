@@ -790,3 +790,14 @@ def test_module_dtype_casts_keep_its_scales_fp32(cast):
     fresh = qfa.HiF8Attention(scales=scales)
     assert torch.equal(m(q, q, q).view(torch.int16), fresh(q, q, q).view(torch.int16))
     assert m.to(device="meta").q_scale.device.type == "meta"  # devices still move
+
+
+def test_scales_that_require_grad_also_give_an_output_whose_backward_says_why():
+    """Static scale tensors that require grad (q, k and v not) were converted to fp32 for the op,
+    leaving the output outside their graph."""
+    s = torch.tensor([0.05], requires_grad=True)
+    q = torch.randn(1, 2, 16, 128)
+    out = qfa.hif8_attention(q, q, q, scales=(s, s.detach(), s.detach()))
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="no gradient"):
+        out.sum().backward()

@@ -567,6 +567,8 @@ def test_registered_options_the_cache_decides_must_agree_with_it(option, value, 
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda: qfa_hf.register("qfa_bad_option", foo=1), TypeError, r"options \['foo'\] are not arguments of"),
+    (lambda: qfa_hf.register("qfa_own_layout", layout="TND"), TypeError, r"options \['layout'\] are not arguments"),
+    (lambda: qfa_hf.register("qfa_own_lse", return_softmax_lse=True), TypeError, "return_softmax_lse"),
     (lambda: qfa_hf.register("qfa_bad_rule", calibration="bogus"), ValueError, "bogus"),
     (lambda: qfa_hf.register("qfa_bad_flag", smooth_k="yes"), TypeError, "smooth_k"),
     (lambda: qfa_hf.register("sdpa"), ValueError, "'sdpa' is an attention transformers already has"),
@@ -583,3 +585,12 @@ def test_register_checks_its_name_and_options_when_registering(call, error, matc
     with pytest.raises(error, match=match):
         call()
     assert AttentionInterface._global_mapping == before
+
+
+def test_options_a_cache_does_not_take_are_refused_with_it():
+    """Registered static scales (or another format) were dropped without a word with a HiF8Cache."""
+    qfa_hf.register("qfa_hif8_with_scales", scales=(0.1, 0.1, 0.1))
+    model = tiny_model()
+    model.set_attn_implementation("qfa_hif8_with_scales")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"registered with \['scales'\], which a qfa.serving.HiF8Cache"):
+        model(ids(1, 8), past_key_values=HiF8Cache(), use_cache=True)
