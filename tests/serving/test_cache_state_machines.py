@@ -583,6 +583,30 @@ class HiF8CacheMachine(RuleBasedStateMachine):
         m.update(new)
         m["pending"] = []
 
+    @rule(kind=st.sampled_from(["identity", "bool", "beyond", "negative", "float", "list", "2-d", "repeats 0"]))
+    def batch_operation(self, kind):
+        """A beam search's reorder: an identity index is done (the model unchanged) unless a
+        stored layer has tokens queued; every bad index or count is refused, changing nothing,
+        whatever the layers hold."""
+        stored = [m for m in self.layers if m["geom"] is not None]
+        if kind == "identity" and any(m["geom"][0] != self.batch for m in stored):
+            return  # (an identity of this batch would drop another layer's rows)
+        rows = max([m["geom"][0] for m in stored] + [self.batch])
+        index = {"identity": torch.arange(self.batch), "bool": torch.ones(self.batch, dtype=torch.bool),
+                 "beyond": torch.tensor([rows]), "negative": torch.tensor([-1]), "float": torch.zeros(1),
+                 "list": [0], "2-d": torch.zeros(1, 1, dtype=torch.long)}.get(kind)
+        if kind == "repeats 0":
+            call, expected = (lambda: self.cache.batch_repeat_interleave(0)), ValueError
+        else:
+            call = lambda: self.cache.reorder_cache(index)  # noqa: E731
+            if kind in ("bool", "float", "list", "2-d"):
+                expected = TypeError
+            elif kind == "identity":
+                expected = ValueError if any(m["pending"] for m in stored) else None
+            else:
+                expected = ValueError if stored else None  # (no layer stored: nothing to index)
+        refused(call, expected, self.snapshot, f"batch operation, {kind}")
+
     @rule(go=st.integers(0, RARE - 1))
     def reset(self, go):
         if go:
