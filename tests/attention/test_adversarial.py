@@ -593,7 +593,7 @@ def test_static_scales_carry_nan_and_inf_as_codes():
 def test_scales_that_require_grad_change_nothing_and_poison_nothing():
     """Static scales and p_scale with requires_grad=True (they used to make the softmax step's
     compile fail, switching it to eager for the rest of the process): the bits of plain
-    tensors, no graph, and qfa._compile's records unchanged."""
+    tensors, qfa._compile's records unchanged, and an output whose backward raises."""
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 40, D, generator=g) for _ in range(3))
     plain = [torch.tensor([0.02]), torch.tensor([0.03]), torch.tensor([0.01])]
@@ -603,8 +603,12 @@ def test_scales_that_require_grad_change_nothing_and_poison_nothing():
     got = qfa.hif8_attention(q, k, v, scales=grads, p_scale=torch.tensor([2.0], requires_grad=True),
                              return_softmax_lse=True)
     assert process_state(threads=not native_runs()) == state
-    assert not got[0].requires_grad and not got[1].requires_grad
-    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+    assert same_bits(got[0].detach(), want[0]) and same_bits(got[1].detach(), want[1])
+    # in the graph, as under torch.compile: a backward through it says there is no gradient
+    # (it used to leave the scales' gradients out without a word)
+    assert got[0].requires_grad and got[1].requires_grad
+    with pytest.raises(RuntimeError, match="has no gradient"):
+        got[0].sum().backward()
 
 
 def test_calibrating_on_meta_tensors_is_a_clear_error():
